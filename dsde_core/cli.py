@@ -1,0 +1,108 @@
+"""The `dsde` command: generate text with speculative decoding in-process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from dsde_core.config import EngineConfig, SamplingParams
+from dsde_core.errors import DSDEError
+from dsde_core.llm import GenerationResult, SpeculativeLLM
+from dsde_core.models.loader import DEFAULT_DRAFT, DEFAULT_TARGET
+from dsde_core.policies import POLICY_NAMES, make_policy
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsde", description="DSDE speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text for one prompt and print speculation stats")
+    g.add_argument("prompt")
+    g.add_argument("--policy", default="dsde",
+                   help=f"speculation-length policy: {', '.join(POLICY_NAMES)} (static:K for a fixed K)")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--dtype", default="bfloat16", help="bfloat16 (fast) or float32 (bit-exact losslessness)")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    g.add_argument("--draft", default=DEFAULT_DRAFT, help="embedded name, HF model directory or .gguf file")
+    g.add_argument("--target", default=DEFAULT_TARGET, help="embedded name, HF model directory or .gguf file")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    g.add_argument("--compare", action="store_true", help="also run target-only decoding and compare")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    return parser
+
+
+def _stats(res: GenerationResult, seconds: float) -> dict[str, Any]:
+    s = res.stats
+    return {
+        "tokens": len(res.token_ids),
+        "seconds": seconds,
+        "tokens_per_s": len(res.token_ids) / seconds if seconds > 0 else 0.0,
+        "acceptance_rate": s.acceptance_rate,
+        "mean_accepted_length": s.mean_accepted_length,
+        "mean_sl": s.mean_sl,
+        "drafted": s.drafted,
+        "accepted": s.accepted,
+        "target_steps": s.steps,
+        "finish_reason": res.finish_reason,
+        "ttft_s": s.ttft,
+    }
+
+
+def _timed(llm: SpeculativeLLM, prompt: str, params: SamplingParams, policy: str, chat: bool
+           ) -> tuple[GenerationResult, float]:
+    t0 = time.perf_counter()
+    [res] = llm.generate([prompt], params, policy=policy, chat=chat)
+    return res, time.perf_counter() - t0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    make_policy(args.policy)  # fail on a bad policy before minutes of model loading
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    config = EngineConfig(max_batch_size=1, dtype=args.dtype, device=args.device, num_threads=args.threads)
+    llm = SpeculativeLLM.load(draft=args.draft, target=args.target, config=config)
+    llm.generate([prompt := args.prompt], SamplingParams(max_tokens=2), policy="static:2")  # warm-up
+    res, secs = _timed(llm, prompt, params, args.policy, args.chat)
+    report: dict[str, Any] = {"text": res.text, "token_ids": res.token_ids, "policy": args.policy,
+                              "stats": _stats(res, secs)}
+    if args.compare:
+        base, base_secs = _timed(llm, prompt, params, "off", args.chat)
+        report["target_only"] = {"text": base.text, "token_ids": base.token_ids, "stats": _stats(base, base_secs)}
+        report["speedup"] = report["stats"]["tokens_per_s"] / max(report["target_only"]["stats"]["tokens_per_s"],
+                                                                 1e-9)
+        report["identical"] = base.token_ids == res.token_ids
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    st = report["stats"]
+    print(res.text)
+    print(f"\n[{args.policy}] {st['tokens']} tokens in {secs:.2f}s = {st['tokens_per_s']:.2f} tok/s | "
+          f"acceptance {st['acceptance_rate']:.1%} | mean accepted length {st['mean_accepted_length']:.2f} | "
+          f"mean SL {st['mean_sl']:.2f}")
+    if args.compare:
+        bt = report["target_only"]["stats"]
+        print(f"[target-only] {bt['tokens']} tokens = {bt['tokens_per_s']:.2f} tok/s | speedup "
+              f"{report['speedup']:.2f}x | outputs identical: {report['identical']}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _generate(args)
+    except DSDEError as e:
+        print(f"dsde: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

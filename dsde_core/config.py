@@ -1,0 +1,89 @@
+"""Configuration dataclasses: the engine, a request's sampling, a request's speculation.
+
+Each is validated at construction and raises ConfigError naming the field, the value and the range.
+Policy configurations live beside their rules in dsde_core.policies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dsde_core.errors import ConfigError
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples. temperature 0 means greedy (and lossless token for token)."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(0.0 <= self.temperature <= 100.0, f"temperature must be in [0, 100], got {self.temperature!r}")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}")
+        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        _check(all(isinstance(s, str) and s for s in stop), f"stop must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SpeculationParams:
+    """Per-request control of speculation: off, or a ceiling on the speculation length."""
+
+    enabled: bool = True
+    max_sl: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.max_sl is None or (isinstance(self.max_sl, int) and self.max_sl >= 0),
+               f"speculation max_sl must be an integer >= 0, got {self.max_sl!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine: how many sequences run at once, how long they may grow, what crosses between workers."""
+
+    max_batch_size: int = 8  # KV-cache slots: sequences decoded together
+    max_seq_len: int = 2048  # prompt + generated tokens (+ draft lookahead) per slot
+    max_sl: int = 20  # global ceiling on the speculation length
+    draft_top_k: int = 64  # K: the draft ships its top-K probabilities, never the full vocabulary
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
+    draft_catch_up: bool = False  # feed committed tokens to the draft even for sequences with k = 0
+    extra_eos_ids: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.max_batch_size <= 1024, f"max_batch_size must be in [1, 1024], got {self.max_batch_size}")
+        _check(16 <= self.max_seq_len <= 1 << 20, f"max_seq_len must be in [16, 2^20], got {self.max_seq_len}")
+        _check(0 <= self.max_sl <= 64, f"max_sl must be in [0, 64], got {self.max_sl}")
+        _check(1 <= self.draft_top_k <= 4096, f"draft_top_k must be in [1, 4096], got {self.draft_top_k}")
+        _check(self.dtype in DTYPES, f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        _check(self.device == "cpu" or self.device.startswith("cuda"),
+               f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        _check(self.num_threads is None or self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,260 @@
+"""The engine: continuous batching over a speculative step.
+
+One step = plan (policy + cap give k_i per sequence) -> propose (draft) -> verify (target)
+-> commit (both caches learn the committed tokens on their next call) -> emit.
+Requests join and leave between steps. The engine talks to the draft, the target and the policy only
+through their interfaces, so each may be a local object or a proxy to a Ray actor.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from dsde_core.config import EngineConfig, SamplingParams, SpeculationParams
+from dsde_core.detokenize import TextStream
+from dsde_core.errors import ConfigError
+from dsde_core.policies import Plan, SeqInfo, SpeculationPolicy, StepFeedback
+from dsde_core.request import Request, RequestOutput
+from dsde_core.workers import DraftTask, Proposal, Verdict, VerifyTask
+
+
+class DraftAPI(Protocol):
+    def open(self, slot: int, params: SamplingParams) -> None: ...
+    def release(self, slot: int) -> None: ...
+    def propose(self, tasks: list[DraftTask]) -> list[Proposal]: ...
+
+
+class TargetAPI(Protocol):
+    def open(self, slot: int, params: SamplingParams) -> None: ...
+    def release(self, slot: int) -> None: ...
+    def verify(self, tasks: list[VerifyTask]) -> list[Verdict]: ...
+
+
+@dataclass
+class StepRecord:
+    """Timing of one engine step: the raw material of cost models and benchmarks."""
+
+    batch: int
+    ks: list[int]  # tokens proposed per sequence
+    emitted: int
+    draft_s: float
+    target_s: float
+    total_s: float
+
+
+class Engine:
+    def __init__(
+        self,
+        target: TargetAPI,
+        draft: DraftAPI | None,
+        policy: SpeculationPolicy,
+        tokenizer: Any,
+        config: EngineConfig,
+        eos_ids: Iterable[int] = (),
+        vocab_size: int | None = None,
+    ) -> None:
+        self.target, self.draft, self.policy = target, draft, policy
+        self.tokenizer, self.config = tokenizer, config
+        self.eos_ids = frozenset(eos_ids) | frozenset(config.extra_eos_ids)
+        self.vocab_size = vocab_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.free_slots = list(range(config.max_batch_size - 1, -1, -1))
+        self.requests: dict[str, Request] = {}
+        self.step_log: deque[StepRecord] = deque(maxlen=4096)
+        self._cancelled: set[str] = set()
+        self._lock = threading.Lock()  # add_request / cancel may come from other threads
+        self._ids = itertools.count()
+
+    # ---- requests in and out ------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        spec: SpeculationParams | None = None,
+        req_id: str | None = None,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> Request:
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt_ids]
+        self._validate(prompt, params)
+        with self._lock:
+            req_id = req_id or f"req-{next(self._ids)}"
+            if req_id in self.requests:
+                raise ConfigError(f"request id {req_id!r} is already in use")
+            req = Request(req_id, prompt, params, spec or SpeculationParams(),
+                          TextStream(self.tokenizer, params.stop), on_output)
+            self.requests[req_id] = req
+            self.waiting.append(req)
+        return req
+
+    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise ConfigError("the prompt is empty: give at least one token")
+        if self.vocab_size is not None and not all(0 <= t < self.vocab_size for t in prompt):
+            raise ConfigError(f"prompt token ids must be in [0, {self.vocab_size})")
+        need = len(prompt) + params.max_tokens
+        if need > self.config.max_seq_len:
+            raise ConfigError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {need} exceeds the "
+                f"context window of {self.config.max_seq_len} tokens"
+            )
+
+    def cancel(self, req_id: str) -> None:
+        """Thread-safe; the request ends (and frees its slot and state) at the start of the next step."""
+        with self._lock:
+            self._cancelled.add(req_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the step -----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        outputs = self._apply_cancellations()  # cancelled requests are freed here, before any work
+        self._admit()
+        if not self.running:
+            return outputs
+        plans = self._plan()
+        t1 = time.perf_counter()
+        proposals = self._propose(plans)
+        t2 = time.perf_counter()
+        verdicts = self.target.verify([self._verify_task(r, proposals.get(r.req_id)) for r in self.running])
+        t3 = time.perf_counter()
+        self.policy.observe([self._feedback(r, plans[r.req_id], proposals.get(r.req_id), v)
+                             for r, v in zip(self.running, verdicts, strict=True)])
+        emitted = [self._commit(r, v) for r, v in zip(self.running, verdicts, strict=True)]
+        self.step_log.append(StepRecord(
+            batch=len(verdicts), ks=[len(p.tokens) for p in proposals.values()],
+            emitted=sum(len(o.token_ids) for o in emitted), draft_s=t2 - t1, target_s=t3 - t2,
+            total_s=time.perf_counter() - t0))
+        for out in emitted:
+            if out.finished:
+                self._free(self.requests.pop(out.req_id))
+        return outputs + emitted
+
+    def _plan(self) -> dict[str, Plan]:
+        infos = [SeqInfo(r.req_id, r.params.temperature, self._max_k(r)) for r in self.running]
+        plans = self.policy.plan(infos)
+        return {i.req_id: Plan(min(p.k, i.max_k), p.min_confidence) for i, p in zip(infos, plans, strict=True)}
+
+    def _max_k(self, r: Request) -> int:
+        """Ceiling on k: no draft, speculation off, global and per-request max SL, tokens left to generate."""
+        if self.draft is None or not r.spec.enabled:
+            return 0
+        per_request = r.spec.max_sl if r.spec.max_sl is not None else self.config.max_sl
+        # a step emits up to k + 1 tokens; never draft past max_tokens
+        return max(0, min(self.config.max_sl, per_request, r.remaining() - 1))
+
+    def _propose(self, plans: dict[str, Plan]) -> dict[str, Proposal]:
+        if self.draft is None:
+            return {}
+        tasks, reqs = [], []
+        for r in self.running:
+            plan = plans[r.req_id]
+            if plan.k > 0 or self.config.draft_catch_up:
+                tasks.append(DraftTask(r.slot, r.tokens[r.synced_draft:], plan.k, plan.min_confidence))
+                reqs.append(r)
+                r.synced_draft = r.num_tokens
+        if not tasks:
+            return {}
+        proposals = self.draft.propose(tasks)
+        return {r.req_id: p for r, p in zip(reqs, proposals, strict=True) if p.tokens}
+
+    def _verify_task(self, r: Request, proposal: Proposal | None) -> VerifyTask:
+        task = VerifyTask(r.slot, r.tokens[r.synced_target:], proposal)
+        r.synced_target = r.num_tokens
+        return task
+
+    @staticmethod
+    def _feedback(r: Request, plan: Plan, prop: Proposal | None, v: Verdict) -> StepFeedback:
+        dists = prop.dists if prop else []
+        return StepFeedback(r.req_id, plan.k, len(dists), v.accepted, tuple(v.kld),
+                            tuple(d.entropy for d in dists))
+
+    def _commit(self, r: Request, v: Verdict) -> RequestOutput:
+        now = time.perf_counter()
+        r.stats.record_step(len(v.kld), v.accepted)
+        new: list[int] = []
+        for tok in v.tokens:
+            if tok in self.eos_ids and not r.params.ignore_eos:
+                r.finish_reason = "stop"
+                break
+            new.append(tok)
+            if len(r.output_ids) + len(new) >= r.params.max_tokens:
+                r.finish_reason = "length"
+                break
+        r.output_ids += new
+        text = r.detok.add(new)
+        if r.detok.stopped:
+            r.finish_reason = "stop"
+        if new:
+            r.stats.first_token = r.stats.first_token or now
+            r.stats.token_times += [now] * len(new)
+        if r.finished:
+            text += r.detok.flush()
+            r.stats.finish = now
+        return self._emit(RequestOutput(r.req_id, new, text, r.finished, r.finish_reason), r)
+
+    @staticmethod
+    def _emit(out: RequestOutput, r: Request) -> RequestOutput:
+        if r.on_output is not None:
+            r.on_output(out)
+        return out
+
+    # ---- admission and release ------------------------------------------------------------------------
+    def _admit(self) -> None:
+        while self.waiting and self.free_slots:
+            with self._lock:
+                r = self.waiting.popleft()
+            r.slot = self.free_slots.pop()
+            self.target.open(r.slot, r.params)
+            if self.draft is not None:
+                self.draft.open(r.slot, r.params)
+            self.running.append(r)
+
+    def _apply_cancellations(self) -> list[RequestOutput]:
+        with self._lock:
+            cancelled, self._cancelled = self._cancelled, set()
+            for r in [r for r in self.waiting if r.req_id in cancelled]:
+                self.waiting.remove(r)
+        outputs = []
+        for req_id in cancelled:
+            r = self.requests.get(req_id)
+            if r is None or r.finished:
+                continue
+            r.finish_reason = "cancelled"
+            r.stats.finish = time.perf_counter()
+            outputs.append(self._emit(RequestOutput(req_id, [], "", True, "cancelled"), r))
+            self._free(self.requests.pop(req_id))
+        return outputs
+
+    def _free(self, r: Request) -> None:
+        """Release the slot and every piece of per-request state: engine, both workers, policy."""
+        if r in self.running:
+            self.running.remove(r)
+        if r.slot is not None:
+            self.target.release(r.slot)
+            if self.draft is not None:
+                self.draft.release(r.slot)
+            self.free_slots.append(r.slot)
+            r.slot = None
+        self.policy.release(r.req_id)
+
+    # ---- convenience --------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Step until every request has finished."""
+        while self.has_unfinished():
+            self.step()
+
+    def set_policy(self, policy: SpeculationPolicy) -> None:
+        """Swap the speculation policy; only between batches (no request running)."""
+        if self.has_unfinished():
+            raise ConfigError("the policy can only be changed while no request is running")
+        self.policy = policy

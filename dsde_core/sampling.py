@@ -1,0 +1,124 @@
+"""Sampling: logits processors, the draft's sparse top-K distribution, and lossless verification.
+
+Shapes: V = vocabulary, K = draft top-K (what crosses from draft to target), k = draft tokens this step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsde_core.config import SamplingParams
+
+
+def signal_temperature(params: SamplingParams) -> float:
+    """Temperature of the distributions the KLD signal compares: the sampling one, 1 for greedy requests."""
+    return params.temperature if params.temperature > 0 else 1.0
+
+
+def make_generator(seed: int | None, stream: int, device: str = "cpu") -> torch.Generator:
+    """A per-request generator; draft and target draw from different streams of the same seed."""
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed((seed * 1_000_003 + stream) % (1 << 63))
+    return gen
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """logits [..., N] -> logits with -inf outside the top-k and outside the smallest top-p nucleus."""
+    n = logits.shape[-1]
+    if top_k and top_k < n:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass strictly before it already reaches top_p (the first token always stays)
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The target's sampling distribution p: logits [n, V] fp32 -> probs [n, V] (temperature > 0 only)."""
+    assert params.temperature > 0, "greedy requests are verified on the argmax"
+    return torch.softmax(_filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p), dim=-1)
+
+
+@dataclass
+class DraftDist:
+    """The draft's distribution at one position, sparse. ids [K]; both prob vectors [K] fp32."""
+
+    ids: torch.Tensor  # [K] int64: the draft's top-K tokens by logit
+    q_sample: torch.Tensor  # [K]: the distribution the draft sampled from (top-K-truncated, processed), sums to 1
+    q_signal: torch.Tensor  # [K]: untruncated probabilities at the signal temperature (rest mass = 1 - sum)
+    entropy: float  # nats, full draft distribution at the signal temperature
+
+
+def draft_dist(logits: torch.Tensor, params: SamplingParams, top_k: int) -> DraftDist:
+    """logits [V] fp32 of one draft position -> its sparse distribution (what crosses to the target)."""
+    t_sig = signal_temperature(params)
+    top_logits, ids = torch.topk(logits, min(top_k, logits.shape[-1]))  # [K]
+    logp_full = torch.log_softmax(logits / t_sig, dim=-1)  # [V]
+    entropy = float(-(logp_full.exp() * logp_full).sum())
+    q_signal = logp_full[ids].exp()  # [K], untruncated: the rest bin holds 1 - sum
+    if params.greedy:
+        q_sample = torch.zeros_like(top_logits)
+        q_sample[0] = 1.0  # greedy draft: one-hot on its argmax
+    else:
+        filtered = _filter_top_k_top_p(top_logits / params.temperature, params.top_k, params.top_p)
+        q_sample = torch.softmax(filtered, dim=-1)
+    return DraftDist(ids, q_sample, q_signal, entropy)
+
+
+def sample_draft(dist: DraftDist, gen: torch.Generator) -> int:
+    """Draw the draft token from exactly the distribution that is shipped to the verifier."""
+    j = torch.multinomial(dist.q_sample, 1, generator=gen).item()
+    return int(dist.ids[j])
+
+
+def verify_greedy(logits: torch.Tensor, draft_tokens: list[int]) -> list[int]:
+    """logits [k+1, V]. Accept while the draft token equals the target argmax; then emit the target argmax
+    at the first mismatch, or the bonus argmax at position k+1 when all k pass. Returns accepted + 1 tokens."""
+    target = logits.argmax(-1).tolist()  # [k+1]
+    out: list[int] = []
+    for j, x in enumerate(draft_tokens):
+        if x != target[j]:
+            break
+        out.append(x)
+    out.append(target[len(out)])
+    return out
+
+
+def verify_stochastic(
+    p: torch.Tensor, draft_tokens: list[int], dists: list[DraftDist], gen: torch.Generator
+) -> list[int]:
+    """Rejection sampling (Leviathan et al. 2023; Chen et al. 2023). p [k+1, V] target probs.
+
+    For j = 1..k: accept x_j with probability min(1, p_j(x_j) / q_j(x_j)). At the first rejection emit a
+    sample of norm(max(0, p_j - q_j)) and stop. If all k pass, emit a bonus sample of p_{k+1}.
+    The emitted tokens are then distributed exactly as target-only sampling from p.
+    """
+    out: list[int] = []
+    for j, x in enumerate(draft_tokens):
+        d = dists[j]
+        q_x = float(d.q_sample[(d.ids == x).nonzero()[0, 0]])
+        p_x = float(p[j, x])
+        u = float(torch.rand((), generator=gen))
+        if u * q_x < p_x:  # u < p/q, without dividing by a q that may be tiny
+            out.append(x)
+            continue
+        residual = p[j].clone()  # [V]
+        residual.index_add_(0, d.ids, -d.q_sample.to(residual.dtype))
+        residual.clamp_(min=0.0)
+        total = float(residual.sum())
+        # total == 0 only when p == q on the support, where a rejection has probability 0
+        row = residual / total if total > 0 else p[j]
+        out.append(int(torch.multinomial(row, 1, generator=gen)))
+        return out
+    out.append(int(torch.multinomial(p[len(draft_tokens)], 1, generator=gen)))
+    return out

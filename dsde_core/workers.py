@@ -1,0 +1,183 @@
+"""DraftWorker and TargetWorker: a model runner, its slot KV cache, and sampling, behind a narrow interface.
+
+The engine speaks only this interface, so a worker may be a local object or a Ray actor handle.
+What crosses is small: token ids, per-position scalars and the draft's top-K distribution.
+
+Cache sync by prefix match: each worker keeps, per slot, the committed tokens it has been told and the
+tokens whose KV sit in its cache. Every call carries the committed tokens the worker has not seen yet;
+the worker keeps the longest cached prefix that matches the committed sequence (capped so that the last
+committed token is always fed again) and feeds the rest. One rule covers rollback after a rejection,
+the draft catching up after a fully accepted step, and rebuilding an empty cache after a restart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dsde_core.config import SamplingParams
+from dsde_core.models.runner import ModelRunner
+from dsde_core.sampling import (
+    DraftDist,
+    draft_dist,
+    make_generator,
+    sample_draft,
+    signal_temperature,
+    target_probs,
+    verify_greedy,
+    verify_stochastic,
+)
+from dsde_core.signals import sparse_kld
+
+
+@dataclass
+class DraftTask:
+    slot: int
+    new_tokens: list[int]  # committed tokens this worker has not seen yet
+    k: int  # tokens to propose; 0: only catch the cache up with the committed tokens
+    min_confidence: float | None = None  # stop after token t when 1 - sqrt(0.1 * H(q_t)) < min_confidence
+
+
+@dataclass
+class Proposal:
+    slot: int
+    tokens: list[int]  # [k'] proposed, k' <= k
+    dists: list[DraftDist]  # [k'] the sparse distribution each token was drawn from
+
+
+@dataclass
+class VerifyTask:
+    slot: int
+    new_tokens: list[int]
+    proposal: Proposal | None = None  # None: a plain target step (prefill or target-only decoding)
+
+
+@dataclass
+class Verdict:
+    slot: int
+    tokens: list[int]  # accepted draft tokens + one correction or bonus token
+    accepted: int
+    kld: list[float]  # [k'] KL(target || draft) at each proposed position (sparse, at the signal temperature)
+
+
+@dataclass
+class _Slot:
+    params: SamplingParams
+    gen: torch.Generator
+    committed: list[int] = field(default_factory=list)
+    cached: list[int] = field(default_factory=list)  # tokens whose KV are in the cache, in order
+    matched: int = 0  # cached[:matched] == committed[:matched] is known
+
+
+class _Worker:
+    """Slot bookkeeping shared by both workers."""
+
+    stream = 0
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.slots: dict[int, _Slot] = {}
+
+    def open(self, slot: int, params: SamplingParams) -> None:
+        self.runner.set_length(slot, 0)
+        self.slots[slot] = _Slot(params, make_generator(params.seed, self.stream))
+
+    def release(self, slot: int) -> None:
+        self.slots.pop(slot, None)
+        self.runner.set_length(slot, 0)
+
+    def release_all(self) -> None:
+        for slot in list(self.slots):
+            self.release(slot)
+
+    def num_open(self) -> int:
+        return len(self.slots)
+
+    def _sync(self, slot: int, new_tokens: list[int]) -> list[int]:
+        """Append the committed tokens, roll the cache back to the matching prefix, return what to feed."""
+        s = self.slots[slot]
+        s.committed.extend(new_tokens)
+        limit = min(len(s.cached), len(s.committed) - 1)  # the last committed token is always fed
+        m = min(s.matched, limit)
+        while m < limit and s.cached[m] == s.committed[m]:
+            m += 1
+        del s.cached[m:]
+        s.matched = m
+        self.runner.set_length(slot, m)
+        return s.committed[m:]
+
+
+class DraftWorker(_Worker):
+    stream = 1
+
+    def __init__(self, runner: ModelRunner, top_k: int = 64) -> None:
+        super().__init__(runner)
+        self.top_k = top_k
+
+    @torch.inference_mode()
+    def propose(self, tasks: list[DraftTask]) -> list[Proposal]:
+        """Run max(k) batched draft steps; sequence i stops after k_i tokens (or its confidence stop)."""
+        feeds = {t.slot: self._sync(t.slot, t.new_tokens) for t in tasks}
+        out = {t.slot: Proposal(t.slot, [], []) for t in tasks}
+        # sequences with k = 0 only catch up: feed all but the last committed token, which the next step feeds
+        catch_up = [t for t in tasks if t.k == 0 and len(feeds[t.slot]) > 1]
+        live = [t for t in tasks if t.k > 0]
+        batch = [(t.slot, feeds[t.slot]) for t in live] + [(t.slot, feeds[t.slot][:-1]) for t in catch_up]
+        while batch:
+            slots = [slot for slot, _ in batch]
+            logits = self.runner.forward(slots, [toks for _, toks in batch], [1] * len(batch))  # [B, V]
+            for slot, toks in batch:
+                self.slots[slot].cached.extend(toks)
+            next_batch = []
+            for row, t in enumerate(live):
+                s = self.slots[t.slot]
+                dist = draft_dist(logits[row], s.params, self.top_k)
+                x = sample_draft(dist, s.gen)
+                prop = out[t.slot]
+                prop.tokens.append(x)
+                prop.dists.append(dist)
+                stop = t.min_confidence is not None and 1 - (0.1 * dist.entropy) ** 0.5 < t.min_confidence
+                if len(prop.tokens) < t.k and not stop:
+                    next_batch.append(t)
+            live = next_batch
+            batch = [(t.slot, [out[t.slot].tokens[-1]]) for t in live]
+        return [out[t.slot] for t in tasks]
+
+
+class TargetWorker(_Worker):
+    stream = 2
+
+    @torch.inference_mode()
+    def verify(self, tasks: list[VerifyTask]) -> list[Verdict]:
+        """One batched target forward over each sequence's pending tokens and its draft tokens."""
+        feeds = []
+        for t in tasks:
+            drafts = t.proposal.tokens if t.proposal else []
+            feeds.append(self._sync(t.slot, t.new_tokens) + drafts)
+        ks = [len(t.proposal.tokens) if t.proposal else 0 for t in tasks]
+        logits = self.runner.forward([t.slot for t in tasks], feeds, [k + 1 for k in ks])  # [sum(k+1), V]
+        verdicts, row = [], 0
+        for t, feed, k in zip(tasks, feeds, ks, strict=True):
+            s = self.slots[t.slot]
+            s.cached.extend(feed)
+            rows = logits[row : row + k + 1]  # [k+1, V]
+            row += k + 1
+            verdicts.append(self._judge(s, t.slot, rows, t.proposal))
+        return verdicts
+
+    def _judge(self, s: _Slot, slot: int, logits: torch.Tensor, prop: Proposal | None) -> Verdict:
+        drafts = prop.tokens if prop else []
+        if s.params.greedy:
+            tokens = verify_greedy(logits, drafts)
+        else:
+            dists = prop.dists if prop else []
+            tokens = verify_stochastic(target_probs(logits, s.params), drafts, dists, s.gen)
+        kld: list[float] = []
+        if drafts:
+            # signal: KL(p || q) at every proposed position (also after the first rejection), signal temperature
+            p_sig = torch.softmax(logits[: len(drafts)] / signal_temperature(s.params), dim=-1)  # [k, V]
+            ids = torch.stack([d.ids for d in prop.dists])  # [k, K]
+            q_sig = torch.stack([d.q_signal for d in prop.dists])  # [k, K]
+            kld = sparse_kld(p_sig, ids, q_sig).tolist()
+        return Verdict(slot, tokens, len(tokens) - 1, kld)

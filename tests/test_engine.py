@@ -1,0 +1,155 @@
+"""The engine on tiny fp32 models: greedy speculative decoding equals target-only decoding token for token,
+under every policy, with continuous batching, mixed lengths and requests joining mid-batch."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsde_core.config import SamplingParams, SpeculationParams
+from dsde_core.errors import ConfigError
+from dsde_core.workers import DraftTask, DraftWorker
+from tests.tiny import VOCAB, random_prompts, tiny_engine
+
+POLICIES = ["static:1", "static:3", "static:6", "dsde", "dsde-nocap", "dsde-paper", "adaedl", "heuristic",
+            "acceptance"]
+PROMPTS = random_prompts(12, seed=3)
+MAX_TOKENS = [5 + (7 * i) % 36 for i in range(len(PROMPTS))]  # 5..40, mixed short and long
+
+
+def _run(engine, prompts, max_tokens, spec=None):
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=m), spec) for p, m in zip(prompts, max_tokens)]
+    engine.run()
+    return reqs
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    """Target-only greedy outputs, one request at a time (no batching at all)."""
+    engine = tiny_engine("off", batch=1, with_draft=False)
+    return [_run(engine, [p], [m])[0].output_ids for p, m in zip(PROMPTS, MAX_TOKENS)]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_greedy_speculation_is_lossless(policy: str, reference: list[list[int]]) -> None:
+    engine = tiny_engine(policy, batch=4)  # 12 requests through 4 slots: requests join as others finish
+    reqs = _run(engine, PROMPTS, MAX_TOKENS)
+    assert [r.output_ids for r in reqs] == reference
+    assert all(r.finish_reason == "length" for r in reqs)
+    drafted = sum(r.stats.drafted for r in reqs)
+    accepted = sum(r.stats.accepted for r in reqs)
+    assert 0 < accepted < drafted  # both the accept and the reject paths ran
+
+
+def test_requests_joining_mid_batch_are_lossless(reference: list[list[int]]) -> None:
+    engine = tiny_engine("static:4", batch=3)
+    first = [engine.add_request(p, SamplingParams(max_tokens=m)) for p, m in zip(PROMPTS[:2], MAX_TOKENS[:2])]
+    for _ in range(3):
+        engine.step()
+    later = [engine.add_request(p, SamplingParams(max_tokens=m)) for p, m in zip(PROMPTS[2:6], MAX_TOKENS[2:6])]
+    engine.run()
+    assert [r.output_ids for r in first + later] == reference[:6]
+
+
+def test_stats_are_consistent() -> None:
+    engine = tiny_engine("static:5", batch=4)
+    for r in _run(engine, PROMPTS[:4], [30] * 4):
+        s = r.stats
+        assert 0 < s.accepted <= s.drafted == sum(s.sl)
+        assert len(r.output_ids) == 30 and s.steps <= 30
+        # greedy: a token at draft position j is accepted only if position j-1 was
+        assert all(a >= b for a, b in zip(s.accepted_at, s.accepted_at[1:]))
+        assert s.ttft is not None and s.e2e is not None and s.e2e >= s.ttft
+        assert s.mean_accepted_length == pytest.approx((s.accepted + s.steps) / s.steps)
+
+
+def test_draft_cache_follows_the_committed_tokens() -> None:
+    """After many steps the draft's cache holds a prefix of the committed tokens and proposes exactly
+    what a fresh draft prefilled with those tokens proposes."""
+    engine = tiny_engine("static:4", batch=2)
+    req = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=60))
+    for _ in range(6):
+        engine.step()
+    draft: DraftWorker = engine.draft
+    feed = draft._sync(req.slot, req.tokens[req.synced_draft:])
+    slot = draft.slots[req.slot]
+    assert slot.cached == req.tokens[: len(slot.cached)] and slot.cached + feed == req.tokens
+    assert draft.runner.length(req.slot) == len(slot.cached) >= req.num_tokens - 2  # accepted drafts kept
+    fresh = DraftWorker(type(draft.runner)(draft.runner.model, 1, 256), draft.top_k)
+    fresh.open(0, req.params)
+    expected = fresh.propose([DraftTask(0, req.tokens, 4)])[0].tokens
+    got = draft.propose([DraftTask(req.slot, [], 4)])[0].tokens
+    assert got == expected
+
+
+def test_eos_ends_a_request_before_the_eos_token(reference: list[list[int]]) -> None:
+    eos = reference[1][3]
+    engine = tiny_engine("static:3", batch=2, eos=(eos,))
+    [req] = _run(engine, [PROMPTS[1]], [MAX_TOKENS[1]])
+    cut = reference[1].index(eos)
+    assert req.output_ids == reference[1][:cut] and req.finish_reason == "stop"
+
+
+def test_stop_string_ends_a_request(reference: list[list[int]]) -> None:
+    stop = f"<{reference[2][4]}>"
+    engine = tiny_engine("static:3", batch=2)
+    req = engine.add_request(PROMPTS[2], SamplingParams(max_tokens=MAX_TOKENS[2], stop=(stop,)))
+    engine.run()
+    assert req.finish_reason == "stop" and stop not in req.text
+    assert req.text == "".join(f"<{t}>" for t in reference[2])[: len(req.text)]
+
+
+def test_speculation_off_per_request_and_max_sl() -> None:
+    engine = tiny_engine("static:6", batch=2)
+    off, capped = (engine.add_request(PROMPTS[0], SamplingParams(max_tokens=20), SpeculationParams(enabled=False)),
+                   engine.add_request(PROMPTS[1], SamplingParams(max_tokens=20), SpeculationParams(max_sl=2)))
+    engine.run()
+    assert off.stats.drafted == 0 and off.stats.steps == 20
+    assert max(capped.stats.sl) == 2
+
+
+def test_never_drafts_past_max_tokens() -> None:
+    engine = tiny_engine("static:8", batch=2)
+    [req] = _run(engine, [PROMPTS[0]], [3])
+    assert len(req.output_ids) == 3 and max(req.stats.sl) <= 2
+
+
+def test_cancel_frees_slot_and_all_state() -> None:
+    engine = tiny_engine("dsde", batch=2)
+    outs = []
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=50), on_output=outs.append) for p in PROMPTS[:4]]
+    for _ in range(3):
+        engine.step()
+    engine.cancel(reqs[0].req_id)  # running
+    engine.cancel(reqs[3].req_id)  # still waiting
+    engine.step()
+    assert reqs[0].finish_reason == "cancelled" and reqs[3].finish_reason == "cancelled"
+    assert [o.req_id for o in outs if o.finish_reason == "cancelled"] == sorted(
+        [reqs[0].req_id, reqs[3].req_id], key=lambda i: [r.req_id for r in reqs].index(i))
+    engine.run()
+    assert engine.policy.num_tracked() == 0
+    assert engine.target.num_open() == 0 and engine.draft.num_open() == 0
+    assert len(engine.free_slots) == 2 and not engine.requests
+
+
+def test_temperature_sampling_is_seeded_and_accepts_an_identical_draft() -> None:
+    params = SamplingParams(max_tokens=30, temperature=1.0, seed=7)
+    eng = tiny_engine("static:4", noise=0.0, draft_top_k=VOCAB)
+    r1 = eng.add_request(PROMPTS[0], params)
+    eng.run()
+    eng2 = tiny_engine("static:4", noise=0.0, draft_top_k=VOCAB)
+    r2 = eng2.add_request(PROMPTS[0], params)
+    eng2.run()
+    assert r1.output_ids == r2.output_ids  # same seed, same output
+    assert r1.stats.acceptance_rate > 0.95  # p == q up to rounding: min(1, p/q) ~ 1
+
+
+@pytest.mark.parametrize(("prompt", "params"), [
+    ([], SamplingParams()),
+    ([VOCAB + 5], SamplingParams()),
+    (list(range(50)), SamplingParams(max_tokens=250)),  # 50 + 250 > max_seq_len 256
+])
+def test_bad_requests_are_refused_with_a_clear_error(prompt, params) -> None:
+    engine = tiny_engine("dsde", batch=1)
+    with pytest.raises(ConfigError):
+        engine.add_request(prompt, params)
+    assert not engine.has_unfinished()

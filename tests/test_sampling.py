@@ -1,0 +1,127 @@
+"""Sampling processors and lossless verification on toy distributions with known p and q."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from dsde_core.config import SamplingParams
+from dsde_core.errors import ConfigError
+from dsde_core.sampling import DraftDist, draft_dist, sample_draft, target_probs, verify_greedy, verify_stochastic
+
+V = 6
+P = torch.tensor([
+    [0.30, 0.25, 0.20, 0.15, 0.07, 0.03],  # p_1
+    [0.05, 0.05, 0.10, 0.20, 0.25, 0.35],  # p_2
+    [0.40, 0.10, 0.10, 0.10, 0.10, 0.20],  # p_3: the bonus position
+])
+# the draft's sparse distributions: K = 4 ids each, zero mass on the other two tokens
+Q_IDS = torch.tensor([[0, 1, 2, 5], [3, 4, 5, 0]])
+Q_PROBS = torch.tensor([[0.10, 0.50, 0.30, 0.10], [0.10, 0.60, 0.20, 0.10]])
+
+
+def _dists() -> list[DraftDist]:
+    return [DraftDist(Q_IDS[j], Q_PROBS[j], Q_PROBS[j], 0.0) for j in range(2)]
+
+
+def _draws(n: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    dists = _dists()
+    out = []
+    for _ in range(n):
+        drafts = [sample_draft(d, gen) for d in dists]
+        out.append(verify_stochastic(P, drafts, dists, gen))
+    return out
+
+
+def _assert_matches(samples: list[int], p: torch.Tensor) -> None:
+    counts = np.bincount(samples, minlength=V)
+    expected = p.double().numpy() / p.double().sum().item() * len(samples)
+    assert chisquare(counts, expected).pvalue > 1e-3, (counts, expected)
+    tv = 0.5 * np.abs(counts / len(samples) - p.numpy()).sum()
+    assert tv < 0.01, tv
+
+
+@pytest.fixture(scope="module")
+def draws() -> list[list[int]]:
+    return _draws(100_000)
+
+
+def test_first_token_is_distributed_as_p1(draws: list[list[int]]) -> None:
+    # covers the accept path and the residual path (tokens 3 and 4 lie outside the draft's support)
+    _assert_matches([d[0] for d in draws], P[0])
+
+
+def test_token_after_an_acceptance_is_distributed_as_p2(draws: list[list[int]]) -> None:
+    _assert_matches([d[1] for d in draws if len(d) >= 2], P[1])
+
+
+def test_bonus_token_is_distributed_as_p3(draws: list[list[int]]) -> None:
+    bonus = [d[2] for d in draws if len(d) == 3]
+    assert len(bonus) > 5_000  # the bonus path is exercised often enough to test
+    _assert_matches(bonus, P[2])
+
+
+def test_acceptance_rate_is_sum_of_min_p_q(draws: list[list[int]]) -> None:
+    q1 = torch.zeros(V).index_add_(0, Q_IDS[0], Q_PROBS[0])
+    expected = float(torch.minimum(P[0], q1).sum())
+    observed = np.mean([len(d) >= 2 for d in draws])
+    assert abs(observed - expected) < 0.01
+
+
+def test_draft_equal_to_target_is_always_accepted() -> None:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.arange(V)
+    p = P[0].repeat(3, 1)
+    dists = [DraftDist(ids, P[0], P[0], 0.0)] * 2
+    for _ in range(200):
+        drafts = [sample_draft(d, gen) for d in dists]
+        assert verify_stochastic(p, drafts, dists, gen)[:2] == drafts
+
+
+def test_greedy_verification_accepts_the_matching_prefix() -> None:
+    logits = torch.full((4, V), -1.0)
+    for j, t in enumerate([2, 3, 1, 5]):  # target argmax per position
+        logits[j, t] = 1.0
+    assert verify_greedy(logits, [2, 3, 1]) == [2, 3, 1, 5]  # all accepted + bonus
+    assert verify_greedy(logits, [2, 4, 1]) == [2, 3]  # mismatch at position 2: emit the target's token
+    assert verify_greedy(logits, [0, 3, 1]) == [2]
+    assert verify_greedy(logits[:1], []) == [2]  # target-only step
+
+
+def test_draft_dist_greedy_is_one_hot_and_signal_keeps_the_rest_mass() -> None:
+    logits = torch.tensor([0.1, 3.0, 2.0, -1.0, 0.5, 1.0])
+    d = draft_dist(logits, SamplingParams(), top_k=3)
+    assert d.ids.tolist() == [1, 2, 5]
+    assert d.q_sample.tolist() == [1.0, 0.0, 0.0]
+    full = torch.softmax(logits, -1)  # signal at temperature 1 for greedy requests
+    assert torch.allclose(d.q_signal, full[[1, 2, 5]])
+    assert float(d.q_signal.sum()) < 1.0
+    assert d.entropy == pytest.approx(float(-(full * full.log()).sum()), rel=1e-5)
+
+
+def test_draft_dist_sampling_is_truncated_and_processed() -> None:
+    logits = torch.tensor([0.1, 3.0, 2.0, -1.0, 0.5, 1.0])
+    d = draft_dist(logits, SamplingParams(temperature=0.5, top_k=2), top_k=4)
+    expected = torch.softmax(torch.tensor([3.0, 2.0]) / 0.5, -1)
+    assert torch.allclose(d.q_sample[:2], expected) and d.q_sample[2:].sum() == 0
+
+
+def test_target_probs_top_k_and_top_p() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert torch.allclose(p, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    assert torch.allclose(p, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))  # 0.5 + 0.3 reaches 0.8
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_p=0.81))
+    assert torch.allclose(p, torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -1}, {"stop": ("",)},
+])
+def test_sampling_params_reject_bad_values(kwargs: dict) -> None:
+    with pytest.raises(ConfigError):
+        SamplingParams(**kwargs)

@@ -1,0 +1,64 @@
+"""Tiny random-weight models for fast engine tests: a target and a draft that is the target plus noise,
+so that draft and target agree often but not always (every accept/reject path runs)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from dsde_core.config import EngineConfig
+from dsde_core.engine import Engine
+from dsde_core.models.llama import LlamaModel
+from dsde_core.models.runner import ModelRunner
+from dsde_core.policies import SpeculationPolicy, make_policy
+from dsde_core.workers import DraftWorker, TargetWorker
+
+VOCAB = 96
+
+
+class IdTokenizer:
+    """Decodes token i to '<i>': enough for the engine's text stream."""
+
+    eos_token_id = None
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+
+@lru_cache(maxsize=4)
+def tiny_state(seed: int = 0) -> tuple[Qwen2Config, dict[str, torch.Tensor]]:
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.25, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config).float().eval()
+    return config, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def tiny_pair(noise: float = 0.03, seed: int = 0) -> tuple[LlamaModel, LlamaModel]:
+    """(target, draft) in fp32; the draft is the target with Gaussian noise added to every weight."""
+    config, state = tiny_state(seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    noisy = {k: v + noise * v.std() * torch.randn(v.shape, generator=gen) if v.numel() > 1 else v.clone()
+             for k, v in state.items()}
+    target = LlamaModel.from_hf(config, dict(state), dtype=torch.float32)
+    draft = LlamaModel.from_hf(config, noisy, dtype=torch.float32)
+    return target, draft
+
+
+def tiny_engine(policy: str | SpeculationPolicy = "dsde", batch: int = 4, max_seq_len: int = 256,
+                noise: float = 0.03, eos: tuple[int, ...] = (), with_draft: bool = True, **cfg) -> Engine:
+    target, draft = tiny_pair(noise)
+    config = EngineConfig(max_batch_size=batch, max_seq_len=max_seq_len, dtype="float32", **cfg)
+    draft_worker = DraftWorker(ModelRunner(draft, batch, max_seq_len), config.draft_top_k) if with_draft else None
+    pol = make_policy(policy) if isinstance(policy, str) else policy
+    return Engine(TargetWorker(ModelRunner(target, batch, max_seq_len)), draft_worker, pol, IdTokenizer(),
+                  config, eos_ids=eos, vocab_size=VOCAB)
+
+
+def random_prompts(n: int, seed: int = 0, min_len: int = 2, max_len: int = 40) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(min_len, max_len + 1, (n,), generator=gen).tolist()
+    return [torch.randint(0, VOCAB, (m,), generator=gen).tolist() for m in lens]
