@@ -1,0 +1,110 @@
+"""Speculation-length policies behind one interface (base.py), plus DSDE's batch SL cap (cap.py).
+
+`make_policy(spec)` turns a CLI-style spec into a policy:
+    off                    k = 0: target-only decoding through the same engine
+    static[:K]             k = K every step (default 4)
+    dsde                   DSDE (code variant, project defaults) with the adaptive SL cap: the default
+    dsde-nocap             the same without the cap
+    dsde-paper             the paper's variant with the cap
+    dsde-paper-nocap       the paper's variant without the cap
+    adaedl                 entropy-based early stopping with an adaptive threshold
+    heuristic              transformers' +2 / -1 schedule
+    acceptance[:T]         acceptance-rate threshold T (default 0.7)
+"""
+
+from __future__ import annotations
+
+from dsde_core.errors import ConfigError
+from dsde_core.policies.acceptance import (
+    DEFAULT_ACCEPTANCE_THRESHOLD,
+    AcceptanceRateConfig,
+    AcceptanceRatePolicy,
+)
+from dsde_core.policies.adaedl import AdaEDLConfig, AdaEDLPolicy, draft_confidence, should_stop
+from dsde_core.policies.base import Plan, SeqInfo, SpeculationPolicy, StepFeedback
+from dsde_core.policies.cap import CappedPolicy
+from dsde_core.policies.dsde import DSDEConfig, DSDEPolicy
+from dsde_core.policies.heuristic import HeuristicConfig, HeuristicPolicy
+from dsde_core.policies.static import DEFAULT_STATIC_K, OffPolicy, StaticConfig, StaticPolicy
+
+DEFAULT_POLICY = "dsde"
+
+POLICY_NAMES: tuple[str, ...] = (
+    "off",
+    "static",
+    "dsde",
+    "dsde-nocap",
+    "dsde-paper",
+    "dsde-paper-nocap",
+    "adaedl",
+    "heuristic",
+    "acceptance",
+)
+
+_SPEC_FORMS = (
+    "off, static[:K], dsde, dsde-nocap, dsde-paper, dsde-paper-nocap, adaedl, heuristic, acceptance[:T]"
+)
+
+
+def _parse_arg(name: str, arg: str, kind: type) -> int | float:
+    try:
+        return kind(arg)
+    except ValueError:
+        raise ConfigError(f"policy {name!r}: cannot read {arg!r} as {kind.__name__}") from None
+
+
+def make_policy(spec: str = DEFAULT_POLICY) -> SpeculationPolicy:
+    """Build a policy from a spec such as "dsde", "static:4" or "acceptance:0.6" (see the module doc)."""
+    text = spec.strip().lower()
+    name, sep, arg = text.partition(":")
+    if sep and name not in ("static", "acceptance"):
+        raise ConfigError(f"policy {name!r} takes no ':' argument (got {spec!r}); valid: {_SPEC_FORMS}")
+    if sep and not arg:
+        raise ConfigError(f"policy spec {spec!r} has an empty argument after ':'; valid: {_SPEC_FORMS}")
+    policy: SpeculationPolicy
+    if name == "off":
+        policy = OffPolicy()
+    elif name == "static":
+        k = _parse_arg(name, arg, int) if sep else DEFAULT_STATIC_K
+        policy = StaticPolicy(StaticConfig(k=k))
+    elif name in ("dsde", "dsde-nocap", "dsde-paper", "dsde-paper-nocap"):
+        variant = "paper" if name.startswith("dsde-paper") else "code"
+        policy = DSDEPolicy(DSDEConfig(variant=variant))
+        policy = policy if name.endswith("-nocap") else CappedPolicy(policy)
+    elif name == "adaedl":
+        policy = AdaEDLPolicy()
+    elif name == "heuristic":
+        policy = HeuristicPolicy()
+    elif name == "acceptance":
+        threshold = _parse_arg(name, arg, float) if sep else DEFAULT_ACCEPTANCE_THRESHOLD
+        policy = AcceptanceRatePolicy(AcceptanceRateConfig(threshold=threshold))
+    else:
+        raise ConfigError(f"unknown speculation policy {spec!r}; valid: {_SPEC_FORMS}")
+    if name != "static":  # StaticPolicy names itself "static:K" (also for a bare "static")
+        policy.name = text
+    return policy
+
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "POLICY_NAMES",
+    "AcceptanceRateConfig",
+    "AcceptanceRatePolicy",
+    "AdaEDLConfig",
+    "AdaEDLPolicy",
+    "CappedPolicy",
+    "DSDEConfig",
+    "DSDEPolicy",
+    "HeuristicConfig",
+    "HeuristicPolicy",
+    "OffPolicy",
+    "Plan",
+    "SeqInfo",
+    "SpeculationPolicy",
+    "StaticConfig",
+    "StaticPolicy",
+    "StepFeedback",
+    "draft_confidence",
+    "make_policy",
+    "should_stop",
+]
