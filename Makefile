@@ -27,6 +27,7 @@ run: models
 	$(VENV)/bin/dsde generate --chat --compare "$(PROMPT)"
 
 test: setup
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -rs
 
 lint: setup

@@ -9,9 +9,10 @@ import time
 from typing import Any
 
 from dsde_core.config import EngineConfig, SamplingParams
-from dsde_core.errors import DSDEError
+from dsde_core.errors import ConfigError, DSDEError
 from dsde_core.llm import GenerationResult, SpeculativeLLM
 from dsde_core.models.loader import DEFAULT_DRAFT, DEFAULT_TARGET
+from dsde_core.models.packaged import EMBEDDED, ensure_embedded
 from dsde_core.policies import POLICY_NAMES, make_policy
 
 
@@ -35,7 +36,17 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--compare", action="store_true", help="also run target-only decoding and compare")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p = sub.add_parser("prepare", help="join, verify and convert the embedded models once (cached)")
+    p.add_argument("models", nargs="*", default=list(EMBEDDED), help=f"default: {' '.join(EMBEDDED)}")
     return parser
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    for name in args.models:
+        if name not in EMBEDDED:
+            raise ConfigError(f"unknown embedded model {name!r}; known: {', '.join(EMBEDDED)}")
+        print(f"{name}: {ensure_embedded(EMBEDDED[name])}")
+    return 0
 
 
 def _stats(res: GenerationResult, seconds: float) -> dict[str, Any]:
@@ -96,7 +107,7 @@ def _generate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return _generate(args)
+        return {"generate": _generate, "prepare": _prepare}[args.command](args)
     except DSDEError as e:
         print(f"dsde: error: {e}", file=sys.stderr)
         return 2

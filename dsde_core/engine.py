@@ -200,12 +200,16 @@ class Engine:
         if r.finished:
             text += r.detok.flush()
             r.stats.finish = now
-        return self._emit(RequestOutput(r.req_id, new, text, r.finished, r.finish_reason), r)
+        out = RequestOutput(r.req_id, new, text, r.finished, r.finish_reason, stats=r.stats if r.finished else None)
+        return self._emit(out, r)
 
     @staticmethod
     def _emit(out: RequestOutput, r: Request) -> RequestOutput:
         if r.on_output is not None:
-            r.on_output(out)
+            try:
+                r.on_output(out)
+            except Exception:  # a consumer that went away must not stop the engine for everyone else
+                r.on_output = None
         return out
 
     # ---- admission and release ------------------------------------------------------------------------
@@ -231,8 +235,22 @@ class Engine:
                 continue
             r.finish_reason = "cancelled"
             r.stats.finish = time.perf_counter()
-            outputs.append(self._emit(RequestOutput(req_id, [], "", True, "cancelled"), r))
+            outputs.append(self._emit(RequestOutput(req_id, [], "", True, "cancelled", stats=r.stats), r))
             self._free(self.requests.pop(req_id))
+        return outputs
+
+    def abort_all(self, error: str) -> list[RequestOutput]:
+        """End every waiting and running request with an error (after a failed step); free all state."""
+        with self._lock:
+            reqs = list(self.waiting) + list(self.running)
+            self.waiting.clear()
+        outputs = []
+        for r in reqs:
+            r.finish_reason, r.error = "error", error
+            r.stats.finish = time.perf_counter()
+            outputs.append(self._emit(RequestOutput(r.req_id, [], "", True, "error", error, r.stats), r))
+            self.requests.pop(r.req_id, None)
+            self._free(r)
         return outputs
 
     def _free(self, r: Request) -> None:

@@ -92,6 +92,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     error: str | None = None
+    stats: RequestStats | None = None  # set on the last output of a request
 
 
 @dataclass

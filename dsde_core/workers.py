@@ -18,6 +18,7 @@ import torch
 
 from dsde_core.config import SamplingParams
 from dsde_core.models.runner import ModelRunner
+from dsde_core.policies.adaedl import entropy_confidence, should_stop
 from dsde_core.sampling import (
     DraftDist,
     draft_dist,
@@ -137,7 +138,7 @@ class DraftWorker(_Worker):
                 prop = out[t.slot]
                 prop.tokens.append(x)
                 prop.dists.append(dist)
-                stop = t.min_confidence is not None and 1 - (0.1 * dist.entropy) ** 0.5 < t.min_confidence
+                stop = should_stop(entropy_confidence(dist.entropy), t.min_confidence)  # AdaEDL's early stop
                 if len(prop.tokens) < t.k and not stop:
                     next_batch.append(t)
             live = next_batch

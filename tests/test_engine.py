@@ -3,10 +3,13 @@ under every policy, with continuous batching, mixed lengths and requests joining
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from dsde_core.config import SamplingParams, SpeculationParams
 from dsde_core.errors import ConfigError
+from dsde_core.policies import Plan, StaticPolicy
 from dsde_core.workers import DraftTask, DraftWorker
 from tests.tiny import VOCAB, random_prompts, tiny_engine
 
@@ -16,8 +19,12 @@ PROMPTS = random_prompts(12, seed=3)
 MAX_TOKENS = [5 + (7 * i) % 36 for i in range(len(PROMPTS))]  # 5..40, mixed short and long
 
 
+def _add(engine, prompts, max_tokens, spec=None):
+    return [engine.add_request(p, SamplingParams(max_tokens=m), spec) for p, m in zip(prompts, max_tokens, strict=True)]
+
+
 def _run(engine, prompts, max_tokens, spec=None):
-    reqs = [engine.add_request(p, SamplingParams(max_tokens=m), spec) for p, m in zip(prompts, max_tokens)]
+    reqs = _add(engine, prompts, max_tokens, spec)
     engine.run()
     return reqs
 
@@ -26,7 +33,7 @@ def _run(engine, prompts, max_tokens, spec=None):
 def reference() -> list[list[int]]:
     """Target-only greedy outputs, one request at a time (no batching at all)."""
     engine = tiny_engine("off", batch=1, with_draft=False)
-    return [_run(engine, [p], [m])[0].output_ids for p, m in zip(PROMPTS, MAX_TOKENS)]
+    return [_run(engine, [p], [m])[0].output_ids for p, m in zip(PROMPTS, MAX_TOKENS, strict=True)]
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -42,10 +49,10 @@ def test_greedy_speculation_is_lossless(policy: str, reference: list[list[int]])
 
 def test_requests_joining_mid_batch_are_lossless(reference: list[list[int]]) -> None:
     engine = tiny_engine("static:4", batch=3)
-    first = [engine.add_request(p, SamplingParams(max_tokens=m)) for p, m in zip(PROMPTS[:2], MAX_TOKENS[:2])]
+    first = _add(engine, PROMPTS[:2], MAX_TOKENS[:2])
     for _ in range(3):
         engine.step()
-    later = [engine.add_request(p, SamplingParams(max_tokens=m)) for p, m in zip(PROMPTS[2:6], MAX_TOKENS[2:6])]
+    later = _add(engine, PROMPTS[2:6], MAX_TOKENS[2:6])
     engine.run()
     assert [r.output_ids for r in first + later] == reference[:6]
 
@@ -57,7 +64,7 @@ def test_stats_are_consistent() -> None:
         assert 0 < s.accepted <= s.drafted == sum(s.sl)
         assert len(r.output_ids) == 30 and s.steps <= 30
         # greedy: a token at draft position j is accepted only if position j-1 was
-        assert all(a >= b for a, b in zip(s.accepted_at, s.accepted_at[1:]))
+        assert all(a >= b for a, b in itertools.pairwise(s.accepted_at))
         assert s.ttft is not None and s.e2e is not None and s.e2e >= s.ttft
         assert s.mean_accepted_length == pytest.approx((s.accepted + s.steps) / s.steps)
 
@@ -123,8 +130,7 @@ def test_cancel_frees_slot_and_all_state() -> None:
     engine.cancel(reqs[3].req_id)  # still waiting
     engine.step()
     assert reqs[0].finish_reason == "cancelled" and reqs[3].finish_reason == "cancelled"
-    assert [o.req_id for o in outs if o.finish_reason == "cancelled"] == sorted(
-        [reqs[0].req_id, reqs[3].req_id], key=lambda i: [r.req_id for r in reqs].index(i))
+    assert {o.req_id for o in outs if o.finish_reason == "cancelled"} == {reqs[0].req_id, reqs[3].req_id}
     engine.run()
     assert engine.policy.num_tracked() == 0
     assert engine.target.num_open() == 0 and engine.draft.num_open() == 0
@@ -153,3 +159,20 @@ def test_bad_requests_are_refused_with_a_clear_error(prompt, params) -> None:
     with pytest.raises(ConfigError):
         engine.add_request(prompt, params)
     assert not engine.has_unfinished()
+
+
+def test_min_confidence_stops_the_draft_early() -> None:
+    class EarlyStop(StaticPolicy):
+        def plan(self, seqs):  # almost no draft token is that confident
+            return [Plan(min(8, s.max_k), min_confidence=0.999) for s in seqs]
+
+    engine = tiny_engine(EarlyStop(8), batch=2)
+    reqs = _run(engine, PROMPTS[:2], [20, 20])
+    assert all(set(r.stats.sl) <= {0, 1} for r in reqs)  # the draft stopped after its first token every step
+
+
+def test_adaedl_lossless_and_shortens_drafts(reference: list[list[int]]) -> None:
+    engine = tiny_engine("adaedl", batch=4)
+    reqs = _run(engine, PROMPTS, MAX_TOKENS)
+    assert [r.output_ids for r in reqs] == reference
+    assert any(0 < k < 10 for r in reqs for k in r.stats.sl[:-1])

@@ -30,6 +30,11 @@ def draft_confidence(probs: Tensor, gamma: float = ADAEDL_GAMMA) -> Tensor:
     return 1.0 - torch.sqrt(gamma * entropy(probs).clamp_min(0.0))
 
 
+def entropy_confidence(h: float, gamma: float = ADAEDL_GAMMA) -> float:
+    """The same statistic from an entropy the draft already computed: 1 - sqrt(gamma * H)."""
+    return 1.0 - (gamma * max(h, 0.0)) ** 0.5
+
+
 def should_stop(confidence: float, min_confidence: float | None) -> bool:
     """The draft stops after this token when its confidence is below the plan's min_confidence."""
     return min_confidence is not None and confidence < min_confidence

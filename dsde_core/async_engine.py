@@ -1,0 +1,79 @@
+"""Streaming: the engine's step loop in a background thread, each request an async iterator of outputs.
+
+    engine = AsyncEngine(llm.engine).start()
+    async for out in engine.generate(prompt_ids, SamplingParams(max_tokens=64)):
+        print(out.text, end="")
+
+Leaving the iterator early (a client that hangs up) cancels the request; the engine frees its slot and
+all of its state at the start of the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import traceback
+from collections.abc import AsyncIterator, Sequence
+
+from dsde_core.config import SamplingParams, SpeculationParams
+from dsde_core.engine import Engine
+from dsde_core.request import RequestOutput
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, idle_wait_s: float = 0.05) -> None:
+        self.engine = engine
+        self.idle_wait_s = idle_wait_s
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.last_error: str | None = None
+
+    def start(self) -> AsyncEngine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="dsde-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            if not self.engine.has_unfinished():
+                self._wake.wait(self.idle_wait_s)
+                self._wake.clear()
+                continue
+            try:
+                self.engine.step()
+            except Exception as e:  # a failed step ends every request in it with an error, never a hang
+                self.last_error = traceback.format_exc()
+                self.engine.abort_all(f"engine step failed: {type(e).__name__}: {e}")
+
+    async def generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        spec: SpeculationParams | None = None,
+        req_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs as they are accepted; the last one has finished=True."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        req = self.engine.add_request(prompt_ids, params, spec, req_id,
+                                      on_output=lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
+        self._wake.set()
+        try:
+            while True:
+                out = await queue.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if not req.finished:
+                self.engine.cancel(req.req_id)
+                self._wake.set()
