@@ -71,6 +71,7 @@ class EngineConfig:
     dtype: str = "bfloat16"
     device: str = "cpu"
     num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
+    draft_quant: str = "auto"  # draft weights: "int8" (weight-only), "none", or "auto" (int8 for bf16 on CPU)
     draft_catch_up: bool = False  # feed committed tokens to the draft even for sequences with k = 0
     extra_eos_ids: tuple[int, ...] = field(default=())
 
@@ -82,8 +83,17 @@ class EngineConfig:
         _check(self.dtype in DTYPES, f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         _check(self.device == "cpu" or self.device.startswith("cuda"),
                f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        _check(self.draft_quant in ("auto", "int8", "none"),
+               f"draft_quant must be 'auto', 'int8' or 'none', got {self.draft_quant!r}")
         _check(self.num_threads is None or self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def draft_quantize(self) -> str | None:
+        """The draft's weight quantization after resolving "auto". Never applies to the target."""
+        if self.draft_quant == "auto":
+            return "int8" if self.device == "cpu" and self.torch_dtype == torch.bfloat16 else None
+        return None if self.draft_quant == "none" else self.draft_quant

@@ -77,7 +77,8 @@ class SpeculativeLLM:
              config: EngineConfig | None = None, policy: str | SpeculationPolicy = "dsde") -> SpeculativeLLM:
         """Load models by embedded name, Hugging Face directory or GGUF file. draft=None: target only."""
         config = config or EngineConfig()
-        drf = load_model(draft, config.torch_dtype, config.device) if draft else None  # smaller: fails faster
+        # the draft first: smaller, so a bad path fails faster
+        drf = load_model(draft, config.torch_dtype, config.device, quantize=config.draft_quantize) if draft else None
         tgt = load_model(target, config.torch_dtype, config.device)
         return cls(tgt, drf, config, policy)
 

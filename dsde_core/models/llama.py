@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dsde_core.errors import ConfigError, ModelLoadError, UnsupportedArchitectureError
+from dsde_core.models.quant import Int8Linear, int8_supported
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 # RoPE types whose frequencies change with the sequence length: not implemented.
@@ -276,6 +277,7 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cpu",
         prepack: bool | None = None,
+        quantize: str | None = None,
     ) -> LlamaModel:
         """Build from a transformers config and a state dict in transformers' names.
 
@@ -292,9 +294,32 @@ class LlamaModel(nn.Module):
             model.lm_head.weight = model.embed_tokens.weight
         model.inv_freq, model.attention_scaling = rope_inv_freq(args, config)
         model.eval().requires_grad_(False)
+        if quantize is not None:
+            model.quantize(quantize)  # on the plain weights, before packing
         if prepack is None or prepack:
             model.prepack(required=bool(prepack))
         return model
+
+    def linears(self) -> list[tuple[nn.Module, str]]:
+        """(parent, attribute) of every Linear-like layer: 4 per block and the lm_head."""
+        out: list[tuple[nn.Module, str]] = []
+        for block in self.layers:
+            attn, mlp = block.self_attn, block.mlp
+            out += [(attn, "wqkv"), (attn, "o_proj"), (mlp, "w13"), (mlp, "down_proj")]
+        return out + [(self, "lm_head")]
+
+    def quantize(self, kind: str) -> None:
+        """Weight-only int8 for batch-small decode (see quant.py); for a draft model only, never the target.
+        Must run on the plain weights: call it before `prepack` packs them (from_hf keeps both in order)."""
+        if kind != "int8":
+            raise ConfigError(f"quantize must be 'int8', got {kind!r}")
+        if not int8_supported(self.device):
+            raise ConfigError(f"int8 weight-only kernels are not available on {self.device}")
+        if self.packed:
+            raise ConfigError("quantize() needs the plain weights: call it before prepack()")
+        for parent, name in self.linears():
+            lin = getattr(parent, name)
+            setattr(parent, name, Int8Linear(lin, fallback=lin))
 
     def prepack(self, required: bool = False) -> bool:
         """Swap every Linear for a PackedLinear (CPU, oneDNN). Returns whether it did; checks one layer's result
@@ -304,6 +329,7 @@ class LlamaModel(nn.Module):
         ok = can_prepack(self.dtype, self.device)
         if ok:
             lin = self.layers[0].self_attn.wqkv
+            lin = lin.fallback if isinstance(lin, Int8Linear) else lin
             x = torch.randn(3, lin.in_features, dtype=self.dtype, device=self.device)
             try:
                 with torch.inference_mode():
@@ -314,12 +340,12 @@ class LlamaModel(nn.Module):
             if required:
                 raise ConfigError(f"oneDNN weight packing is not available for {self.dtype} on {self.device}")
             return False
-        for block in self.layers:
-            block.self_attn.wqkv = PackedLinear(block.self_attn.wqkv)
-            block.self_attn.o_proj = PackedLinear(block.self_attn.o_proj)
-            block.mlp.w13 = PackedLinear(block.mlp.w13)
-            block.mlp.down_proj = PackedLinear(block.mlp.down_proj)
-        self.lm_head = PackedLinear(self.lm_head)
+        for parent, name in self.linears():
+            layer = getattr(parent, name)
+            if isinstance(layer, Int8Linear):
+                layer.fallback = PackedLinear(layer.fallback)  # the bf16 path for many rows
+            else:
+                setattr(parent, name, PackedLinear(layer))
         self.packed = True
         return True
 

@@ -39,15 +39,18 @@ class LoadedModel:
     path: str = ""  # the Hugging Face directory the weights were read from
 
 
-def load_model(source: str, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> LoadedModel:
-    """Load an embedded model by name, a local HF model directory or a local .gguf file."""
+def load_model(
+    source: str, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", quantize: str | None = None
+) -> LoadedModel:
+    """Load an embedded model by name, a local HF model directory or a local .gguf file.
+    quantize="int8": weight-only int8 (models/quant.py) — for a draft model only."""
     if dtype not in (torch.bfloat16, torch.float32, torch.float16):
         raise ModelLoadError(f"dtype {dtype} is not supported; use torch.bfloat16 or torch.float32")
     if source in EMBEDDED:
-        return load_hf_dir(ensure_embedded(EMBEDDED[source]), dtype, device, name=source)
+        return load_hf_dir(ensure_embedded(EMBEDDED[source]), dtype, device, name=source, quantize=quantize)
     path = Path(os.path.expanduser(source))
     if path.is_dir():
-        return load_hf_dir(path, dtype, device, name=source)
+        return load_hf_dir(path, dtype, device, name=source, quantize=quantize)
     if path.is_file() and path.suffix.lower() == ".gguf":
         check_gguf_arch(path)
         try:
@@ -56,7 +59,7 @@ def load_model(source: str, dtype: torch.dtype = torch.bfloat16, device: str = "
             raise
         except Exception as e:
             raise ModelLoadError(f"could not convert GGUF file {source}: {type(e).__name__}: {e}") from e
-        return load_hf_dir(hf_dir, dtype, device, name=source)
+        return load_hf_dir(hf_dir, dtype, device, name=source, quantize=quantize)
     raise ModelLoadError(
         f"cannot load model {source!r}: it is not an embedded model name ({', '.join(EMBEDDED)}), "
         f"not a local Hugging Face model directory and not a local .gguf file"
@@ -78,7 +81,9 @@ def check_gguf_arch(path: Path) -> None:
         )
 
 
-def load_hf_dir(path: str | Path, dtype: torch.dtype, device: str, name: str) -> LoadedModel:
+def load_hf_dir(
+    path: str | Path, dtype: torch.dtype, device: str, name: str, quantize: str | None = None
+) -> LoadedModel:
     """Config first (architecture check before any weight is read), then weights into our LlamaModel."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -104,7 +109,7 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype, device: str, name: str) ->
     check_supported(hf_config.model_type)
     state_dict = hf.state_dict()
     del hf  # from here on `state_dict` holds the only reference; from_hf consumes it
-    model = LlamaModel.from_hf(hf_config, state_dict, dtype=dtype, device=device)
+    model = LlamaModel.from_hf(hf_config, state_dict, dtype=dtype, device=device, quantize=quantize)
     return LoadedModel(model=model, tokenizer=tokenizer, hf_config=hf_config, name=name, path=path)
 
 
