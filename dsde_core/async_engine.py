@@ -35,6 +35,11 @@ class AsyncEngine:
             self._thread.start()
         return self
 
+    @property
+    def alive(self) -> bool:
+        """The step loop's thread is running (a server's health check)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self, timeout: float | None = 10.0) -> None:
         self._stopping.set()
         self._wake.set()

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from dsde_core.config import EngineConfig, SamplingParams
@@ -18,7 +19,13 @@ from dsde_core.policies import POLICY_NAMES, make_policy
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsde", description="DSDE speculative decoding")
-    sub = parser.add_subparsers(dest="command", required=True)
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
+    """Add `generate` and `prepare` to an argparse subparsers object; returns their handlers by name.
+    The `dsde` command (dsde_cli) builds on this; `python -m dsde_core.cli` runs these two alone."""
     g = sub.add_parser("generate", help="generate text for one prompt and print speculation stats")
     g.add_argument("prompt")
     g.add_argument("--policy", default="dsde",
@@ -38,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p = sub.add_parser("prepare", help="join, verify and convert the embedded models once (cached)")
     p.add_argument("models", nargs="*", default=list(EMBEDDED), help=f"default: {' '.join(EMBEDDED)}")
-    return parser
+    return {"generate": _generate, "prepare": _prepare}
 
 
 def _prepare(args: argparse.Namespace) -> int:

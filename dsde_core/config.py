@@ -72,7 +72,9 @@ class EngineConfig:
     device: str = "cpu"
     num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
     draft_quant: str = "auto"  # draft weights: "int8" (weight-only), "none", or "auto" (int8 for bf16 on CPU)
-    draft_catch_up: bool = False  # feed committed tokens to the draft even for sequences with k = 0
+    draft_catch_up: bool = False  # feed committed tokens to the draft every step, even for sequences with k = 0
+    draft_max_lag: int = 32  # otherwise: a k = 0 sequence's draft cache catches up once it lags this many tokens
+    draft_logit_noise: float = 0.0  # experiments only: Gaussian noise (std, in logits) makes a deliberately weak draft
     extra_eos_ids: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -85,6 +87,8 @@ class EngineConfig:
                f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         _check(self.draft_quant in ("auto", "int8", "none"),
                f"draft_quant must be 'auto', 'int8' or 'none', got {self.draft_quant!r}")
+        _check(self.draft_max_lag >= 2, f"draft_max_lag must be >= 2, got {self.draft_max_lag}")
+        _check(self.draft_logit_noise >= 0, f"draft_logit_noise must be >= 0, got {self.draft_logit_noise}")
         _check(self.num_threads is None or self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")
 
     @property

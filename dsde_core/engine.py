@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from dsde_core.config import EngineConfig, SamplingParams, SpeculationParams
+from dsde_core.cost import OnlineCostModel
 from dsde_core.detokenize import TextStream
 from dsde_core.errors import ConfigError
 from dsde_core.policies import Plan, SeqInfo, SpeculationPolicy, StepFeedback
@@ -46,6 +47,7 @@ class StepRecord:
     draft_s: float
     target_s: float
     total_s: float
+    prefill: bool = False  # a prompt was fed this step
 
 
 class Engine:
@@ -68,6 +70,7 @@ class Engine:
         self.free_slots = list(range(config.max_batch_size - 1, -1, -1))
         self.requests: dict[str, Request] = {}
         self.step_log: deque[StepRecord] = deque(maxlen=4096)
+        self.costs = OnlineCostModel()  # learnt from this engine's decode steps; cost-aware policies plan with it
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()  # add_request / cancel may come from other threads
         self._ids = itertools.count()
@@ -83,7 +86,7 @@ class Engine:
     ) -> Request:
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
-        self._validate(prompt, params)
+        self.validate(prompt, params)
         with self._lock:
             req_id = req_id or f"req-{next(self._ids)}"
             if req_id in self.requests:
@@ -94,7 +97,8 @@ class Engine:
             self.waiting.append(req)
         return req
 
-    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt: list[int], params: SamplingParams) -> None:
+        """ConfigError unless add_request would accept this prompt (a server checks before it starts a stream)."""
         if not prompt:
             raise ConfigError("the prompt is empty: give at least one token")
         if self.vocab_size is not None and not all(0 <= t < self.vocab_size for t in prompt):
@@ -122,6 +126,7 @@ class Engine:
         if not self.running:
             return outputs
         plans = self._plan()
+        prefill = any(r.synced_target == 0 for r in self.running)  # a prompt is fed: not a decode step's cost
         t1 = time.perf_counter()
         proposals = self._propose(plans)
         t2 = time.perf_counter()
@@ -129,11 +134,13 @@ class Engine:
         t3 = time.perf_counter()
         self.policy.observe([self._feedback(r, plans[r.req_id], proposals.get(r.req_id), v)
                              for r, v in zip(self.running, verdicts, strict=True)])
+        ks = [len(v.kld) for v in verdicts]  # tokens proposed per sequence, 0 included
+        if not prefill:
+            self.costs.observe(ks, t2 - t1, t3 - t2)
         emitted = [self._commit(r, v) for r, v in zip(self.running, verdicts, strict=True)]
         self.step_log.append(StepRecord(
-            batch=len(verdicts), ks=[len(p.tokens) for p in proposals.values()],
-            emitted=sum(len(o.token_ids) for o in emitted), draft_s=t2 - t1, target_s=t3 - t2,
-            total_s=time.perf_counter() - t0))
+            batch=len(verdicts), ks=ks, emitted=sum(len(o.token_ids) for o in emitted), draft_s=t2 - t1,
+            target_s=t3 - t2, total_s=time.perf_counter() - t0, prefill=prefill))
         for out in emitted:
             if out.finished:
                 self._free(self.requests.pop(out.req_id))
@@ -141,7 +148,7 @@ class Engine:
 
     def _plan(self) -> dict[str, Plan]:
         infos = [SeqInfo(r.req_id, r.params.temperature, self._max_k(r)) for r in self.running]
-        plans = self.policy.plan(infos)
+        plans = self.policy.plan(infos, self.costs.estimate(len(infos)))
         return {i.req_id: Plan(min(p.k, i.max_k), p.min_confidence) for i, p in zip(infos, plans, strict=True)}
 
     def _max_k(self, r: Request) -> int:
@@ -156,9 +163,15 @@ class Engine:
         if self.draft is None:
             return {}
         tasks, reqs = [], []
+        drafting = any(p.k > 0 for p in plans.values())
         for r in self.running:
             plan = plans[r.req_id]
-            if plan.k > 0 or self.config.draft_catch_up:
+            # A sequence with k = 0 still feeds its committed tokens to the draft when the batch drafts anyway
+            # (its rows ride in the first draft forward) or when it lags by draft_max_lag tokens: its draft cache
+            # never goes stale, so turning speculation back on needs no catch-up and loses no acceptance.
+            lag = r.num_tokens - r.synced_draft
+            ride = lag > 0 and (drafting or lag >= self.config.draft_max_lag)
+            if plan.k > 0 or ride or self.config.draft_catch_up:
                 tasks.append(DraftTask(r.slot, r.tokens[r.synced_draft:], plan.k, plan.min_confidence))
                 reqs.append(r)
                 r.synced_draft = r.num_tokens

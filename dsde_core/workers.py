@@ -112,9 +112,11 @@ class _Worker:
 class DraftWorker(_Worker):
     stream = 1
 
-    def __init__(self, runner: ModelRunner, top_k: int = 64) -> None:
+    def __init__(self, runner: ModelRunner, top_k: int = 64, logit_noise: float = 0.0) -> None:
         super().__init__(runner)
         self.top_k = top_k
+        self.logit_noise = logit_noise  # experiments: a deliberately weak draft (lossless all the same)
+        self._noise_gen = torch.Generator().manual_seed(12345)
 
     @torch.inference_mode()
     def propose(self, tasks: list[DraftTask]) -> list[Proposal]:
@@ -128,6 +130,9 @@ class DraftWorker(_Worker):
         while batch:
             slots = [slot for slot, _ in batch]
             logits = self.runner.forward(slots, [toks for _, toks in batch], [1] * len(batch))  # [B, V]
+            if self.logit_noise > 0:
+                noise = torch.randn(logits.shape, generator=self._noise_gen) * self.logit_noise
+                logits = logits + noise.to(logits.device, logits.dtype)
             for slot, toks in batch:
                 self.slots[slot].cached.extend(toks)
             next_batch = []

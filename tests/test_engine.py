@@ -13,8 +13,8 @@ from dsde_core.policies import Plan, StaticPolicy
 from dsde_core.workers import DraftTask, DraftWorker
 from tests.tiny import VOCAB, random_prompts, tiny_engine
 
-POLICIES = ["static:1", "static:3", "static:6", "dsde", "dsde-nocap", "dsde-paper", "adaedl", "heuristic",
-            "acceptance"]
+POLICIES = ["static:1", "static:3", "static:6", "dsde", "dsde-nocap", "dsde-paper", "dsde-goodput", "adaedl",
+            "heuristic", "acceptance"]
 PROMPTS = random_prompts(12, seed=3)
 MAX_TOKENS = [5 + (7 * i) % 36 for i in range(len(PROMPTS))]  # 5..40, mixed short and long
 
@@ -163,7 +163,7 @@ def test_bad_requests_are_refused_with_a_clear_error(prompt, params) -> None:
 
 def test_min_confidence_stops_the_draft_early() -> None:
     class EarlyStop(StaticPolicy):
-        def plan(self, seqs):  # almost no draft token is that confident
+        def plan(self, seqs, costs=None):  # almost no draft token is that confident
             return [Plan(min(8, s.max_k), min_confidence=0.999) for s in seqs]
 
     engine = tiny_engine(EarlyStop(8), batch=2)

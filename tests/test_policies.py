@@ -395,7 +395,7 @@ class _Scripted(SpeculationPolicy):
     def __init__(self, ks: dict[str, int], cappable: set[str]) -> None:
         self.ks, self._cappable = ks, cappable
 
-    def plan(self, seqs: Sequence[SeqInfo]) -> list[Plan]:
+    def plan(self, seqs: Sequence[SeqInfo], costs: object = None) -> list[Plan]:
         return [Plan(k=min(self.ks[s.req_id], s.max_k), min_confidence=0.3) for s in seqs]
 
     def observe(self, feedback: Sequence[StepFeedback]) -> None:
@@ -518,7 +518,7 @@ def test_make_policy_parsing() -> None:
     assert isinstance(a, AcceptanceRatePolicy) and a.config.threshold == 0.7
     assert make_policy("acceptance:0.6").config.threshold == 0.6
     assert set(POLICY_NAMES) == {"off", "static", "dsde", "dsde-nocap", "dsde-paper", "dsde-paper-nocap",
-                                 "adaedl", "heuristic", "acceptance"}
+                                 "dsde-goodput", "adaedl", "heuristic", "acceptance"}
     assert make_policy().name == "dsde"
 
 

@@ -7,6 +7,7 @@
     dsde-nocap             the same without the cap
     dsde-paper             the paper's variant with the cap
     dsde-paper-nocap       the paper's variant without the cap
+    dsde-goodput           cost-aware DSDE: k (0 included) maximising the batch's tokens per second (goodput.py)
     adaedl                 entropy-based early stopping with an adaptive threshold
     heuristic              transformers' +2 / -1 schedule
     acceptance[:T]         acceptance-rate threshold T (default 0.7)
@@ -24,6 +25,7 @@ from dsde_core.policies.adaedl import AdaEDLConfig, AdaEDLPolicy, draft_confiden
 from dsde_core.policies.base import Plan, SeqInfo, SpeculationPolicy, StepFeedback
 from dsde_core.policies.cap import CappedPolicy
 from dsde_core.policies.dsde import DSDEConfig, DSDEPolicy
+from dsde_core.policies.goodput import GoodputConfig, GoodputPolicy
 from dsde_core.policies.heuristic import HeuristicConfig, HeuristicPolicy
 from dsde_core.policies.static import DEFAULT_STATIC_K, OffPolicy, StaticConfig, StaticPolicy
 
@@ -36,13 +38,15 @@ POLICY_NAMES: tuple[str, ...] = (
     "dsde-nocap",
     "dsde-paper",
     "dsde-paper-nocap",
+    "dsde-goodput",
     "adaedl",
     "heuristic",
     "acceptance",
 )
 
 _SPEC_FORMS = (
-    "off, static[:K], dsde, dsde-nocap, dsde-paper, dsde-paper-nocap, adaedl, heuristic, acceptance[:T]"
+    "off, static[:K], dsde, dsde-nocap, dsde-paper, dsde-paper-nocap, dsde-goodput, adaedl, heuristic, "
+    "acceptance[:T]"
 )
 
 
@@ -71,6 +75,8 @@ def make_policy(spec: str = DEFAULT_POLICY) -> SpeculationPolicy:
         variant = "paper" if name.startswith("dsde-paper") else "code"
         policy = DSDEPolicy(DSDEConfig(variant=variant))
         policy = policy if name.endswith("-nocap") else CappedPolicy(policy)
+    elif name == "dsde-goodput":
+        policy = GoodputPolicy()
     elif name == "adaedl":
         policy = AdaEDLPolicy()
     elif name == "heuristic":
@@ -95,6 +101,8 @@ __all__ = [
     "CappedPolicy",
     "DSDEConfig",
     "DSDEPolicy",
+    "GoodputConfig",
+    "GoodputPolicy",
     "HeuristicConfig",
     "HeuristicPolicy",
     "OffPolicy",

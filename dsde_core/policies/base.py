@@ -1,6 +1,6 @@
 """The one interface between the engine and every speculation-length policy.
 
-Per engine step: `plan(seqs)` with ALL running sequences -> one `Plan` each (same order); the engine drafts,
+Per engine step: `plan(seqs, costs)` with ALL running sequences -> one `Plan` each (same order); the engine drafts,
 verifies and commits; then `observe(feedback)` with one `StepFeedback` per sequence that took part; when a
 request ends (finished, failed, cancelled) the engine calls `release(req_id)`.
 
@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from dsde_core.cost import StepCosts
 from dsde_core.errors import ConfigError
 
 
@@ -109,10 +110,13 @@ class SpeculationPolicy(ABC):
     """Chooses k (and optionally an early-stop confidence) per sequence per step."""
 
     name: str = "policy"
+    cost_aware: bool = False
+    """Whether plan() uses the step costs (a simulator then replays it once per cost profile)."""
 
     @abstractmethod
-    def plan(self, seqs: Sequence[SeqInfo]) -> list[Plan]:
-        """One Plan per seq, same order. Called once per engine step with ALL running sequences."""
+    def plan(self, seqs: Sequence[SeqInfo], costs: StepCosts | None = None) -> list[Plan]:
+        """One Plan per seq, same order. Called once per engine step with ALL running sequences.
+        costs: the engine's step-cost model at this batch size (cost-aware policies use it; others ignore it)."""
 
     @abstractmethod
     def observe(self, feedback: Sequence[StepFeedback]) -> None:
@@ -160,7 +164,7 @@ class PerRequestPolicy(SpeculationPolicy, Generic[S]):
     def _stats(self, state: S) -> dict[str, float]:
         return {}
 
-    def plan(self, seqs: Sequence[SeqInfo]) -> list[Plan]:
+    def plan(self, seqs: Sequence[SeqInfo], costs: StepCosts | None = None) -> list[Plan]:
         plans = []
         for seq in seqs:
             state = self._states.get(seq.req_id)

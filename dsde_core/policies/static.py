@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dsde_core.cost import StepCosts
 from dsde_core.errors import ConfigError
 from dsde_core.policies.base import Plan, SeqInfo, SpeculationPolicy, StepFeedback, clamp_k
 
@@ -31,7 +32,7 @@ class StaticPolicy(SpeculationPolicy):
         self.config = config if isinstance(config, StaticConfig) else StaticConfig(k=config)
         self.name = f"static:{self.config.k}"
 
-    def plan(self, seqs: Sequence[SeqInfo]) -> list[Plan]:
+    def plan(self, seqs: Sequence[SeqInfo], costs: StepCosts | None = None) -> list[Plan]:
         return [Plan(k=clamp_k(self.config.k, s.max_k)) for s in seqs]
 
     def observe(self, feedback: Sequence[StepFeedback]) -> None:

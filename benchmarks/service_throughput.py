@@ -1,0 +1,147 @@
+"""Tokens/s through the service (HTTP, streaming) against the in-process engine on the same prompts. Not a test.
+
+    .venv/bin/python benchmarks/service_throughput.py [--max-tokens 128] [--batch 8] [--policy dsde]
+
+The embedded pair, greedy, chat prompts, all `--batch` requests at once (continuous batching with batch-size
+slots). In-process first (dsde_core's SpeculativeLLM), the models freed, then a local Ray cluster with the app
+(services.app.build_app) and `--batch` concurrent streaming requests over HTTP (httpx, SSE), then in-process
+again. Throughput is generated tokens / wall time from the first request sent to the last token received,
+after one warm-up request each; the reference is the mean of the two in-process runs, and their drift shows
+how steady the machine was. The goal (issue 3): service >= 0.9 x in-process.
+
+The cluster runs its workers at nice 0, as `dsde serve` does: at Ray's default of 15 any other busy process
+on the machine starves the model actors and the comparison with the nice-0 in-process run means nothing
+(--worker-niceness 15 restores Ray's default). On a machine shared with other CPU-bound work the ratio is noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import socket
+import sys
+import time
+
+import httpx
+
+from dsde_core.config import EngineConfig, SamplingParams
+from dsde_core.llm import SpeculativeLLM
+
+PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Explain what a hash map is and when to use one.",
+    "Write a Python class for a stack with push, pop and peek.",
+    "Describe the water cycle in a few paragraphs.",
+    "Write a function that returns the n-th prime number in Python.",
+    "What are the advantages of unit tests? Answer in prose.",
+    "Write a SQL query that finds the top 5 customers by total order value.",
+    "Write a bash script that counts lines in every .py file of a folder.",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def in_process(prompts: list[str], args: argparse.Namespace) -> tuple[float, list[str], int]:
+    config = EngineConfig(max_batch_size=len(prompts), dtype=args.dtype, num_threads=args.threads)
+    llm = SpeculativeLLM.load(config=config, policy=args.policy)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    llm.generate([prompts[0]], SamplingParams(max_tokens=4), chat=True)  # warm-up
+    t0 = time.perf_counter()
+    results = llm.generate(prompts, params, policy=args.policy, chat=True)
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(r.token_ids) for r in results)
+    texts = [r.text for r in results]
+    del llm, results
+    gc.collect()
+    return tokens / seconds, texts, tokens
+
+
+async def _stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> tuple[str, int]:
+    body = {"model": "dsde", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    text, tokens = "", 0
+    async with client.stream("POST", url, json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices", []):
+                text += choice["delta"].get("content") or ""
+    return text, tokens
+
+
+async def _burst(url: str, prompts: list[str], max_tokens: int) -> tuple[float, list[str], int]:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0)) as client:
+        await _stream(client, url, prompts[0], 4)  # warm-up
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(_stream(client, url, p, max_tokens) for p in prompts))
+        seconds = time.perf_counter() - t0
+    tokens = sum(n for _, n in results)
+    return tokens / seconds, [t for t, _ in results], tokens
+
+
+def through_service(prompts: list[str], args: argparse.Namespace) -> tuple[float, list[str], int]:
+    import ray
+    from ray import serve
+
+    from services.app import build_app
+
+    port = _free_port()
+    system_config = {} if args.worker_niceness is None else {"worker_niceness": args.worker_niceness}
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             object_store_memory=256 * 2**20, _system_config=system_config)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app_args = {"model_name": "dsde", "dtype": args.dtype, "policy": args.policy, "num_threads": args.threads,
+                    "max_batch_size": len(prompts)}
+        serve.run(build_app(app_args), name="bench", route_prefix="/")
+        return asyncio.run(_burst(f"http://127.0.0.1:{port}/v1/chat/completions", prompts, args.max_tokens))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8, choices=range(1, len(PROMPTS) + 1), metavar=f"1..{len(PROMPTS)}")
+    p.add_argument("--policy", default="dsde")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (both runs; default: all cores)")
+    p.add_argument("--worker-niceness", type=int, default=0, help="Ray's worker niceness (default 0, as dsde serve)")
+    p.add_argument("--no-recheck", action="store_true", help="skip the second in-process run after the service")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    prompts = PROMPTS[: args.batch]
+    local_rate, local_texts, local_tokens = in_process(prompts, args)
+    print(f"in-process: {local_tokens} tokens, {local_rate:.2f} tok/s", flush=True)
+    service_rate, service_texts, service_tokens = through_service(prompts, args)
+    print(f"service:    {service_tokens} tokens, {service_rate:.2f} tok/s (HTTP streaming, {len(prompts)} at once)",
+          flush=True)
+    rates = [local_rate]
+    if not args.no_recheck:  # the machine may have changed under us: measure in-process again, use the mean
+        rates.append(in_process(prompts, args)[0])
+        print(f"in-process again: {rates[-1]:.2f} tok/s (drift {rates[-1] / rates[0] - 1:+.1%})")
+        local_rate = sum(rates) / len(rates)
+    ratio = service_rate / local_rate
+    same = sum(a == b for a, b in zip(local_texts, service_texts, strict=True))
+    print(f"ratio service / in-process: {ratio:.3f} (goal >= 0.9); identical outputs: {same}/{len(prompts)}")
+    if args.json:
+        print(json.dumps({"in_process_tok_s": local_rate, "in_process_runs": rates, "service_tok_s": service_rate,
+                          "ratio": ratio,
+                          "tokens": [local_tokens, service_tokens], "identical": same, "batch": len(prompts),
+                          "max_tokens": args.max_tokens, "policy": args.policy, "dtype": args.dtype}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

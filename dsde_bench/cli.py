@@ -1,0 +1,375 @@
+"""`dsde bench`: the policy grid on the in-process engine (default), the trace-driven simulator (--simulate), or an
+HTTP server (--url). Every mode writes results/<mode>.json, a Markdown table, PNG plots, and regenerates
+BENCHMARKS.md from all results/*.json.
+
+    dsde bench                                   # small grid: code + mixed, 4 prompts, 32 tokens, batch 1 and 4, T=0
+    dsde bench --full                            # all workloads and policies, batch 1/4/16, T=0/1, 16 prompts x 128
+    dsde bench --simulate [--validate]           # record traces once, then sweep policies x cost profiles in seconds
+    dsde bench --url http://127.0.0.1:8000 --concurrency 4
+    python -m dsde_bench report                  # regenerate BENCHMARKS.md only
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dsde_bench.workloads import DEFAULT_MAX_CHARS, DataPackageMissing, load_workload, parse_workloads
+from dsde_core.errors import ConfigError, DSDEError
+
+SMALL_WORKLOADS = "code,mixed"
+SIM_DEFAULT_TOKENS = 96
+
+
+def _floats(s: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in s.split(",") if x.strip())
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in s.split(",") if x.strip())
+
+
+def _strs(s: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in s.split(",") if x.strip())
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("grid (defaults: the small grid; --full: the whole grid; explicit flags override both)")
+    g.add_argument("--workloads", help=f"comma list of chat, code, math, summ, qa, mixed, or 'all' "
+                                       f"(small: {SMALL_WORKLOADS})")
+    g.add_argument("--policies", help="comma list of policy specs (off, static:K, heuristic, adaedl, acceptance, "
+                                      "dsde-nocap, dsde, dsde-paper), or 'all'")
+    g.add_argument("--batch-sizes", type=_ints, help="comma list (small: 1,4; full: 1,4,16)")
+    g.add_argument("--temperatures", type=_floats, help="comma list (small: 0; full: 0,1)")
+    g.add_argument("--num-prompts", type=int, help="prompts per workload (small: 4; full: 16)")
+    g.add_argument("--max-tokens", type=int, help="new tokens per request (small: 32; full: 128; simulate: 96)")
+    g.add_argument("--seed", type=int, default=1, help="prompt sampling and request seeds (default 1)")
+    g.add_argument("--max-chars", type=int, default=DEFAULT_MAX_CHARS, help="longest prompt sampled, in characters")
+    g.add_argument("--full", action="store_true", help="the whole grid of issue 4 (hours on a CPU)")
+    g.add_argument("--anchor", type=_strs, help="transformers systems at batch 1: hf-assisted, hf-assisted-heuristic, "
+                                                "hf-generate (default: the two assisted ones)")
+    g.add_argument("--no-anchor", action="store_true", help="skip transformers' assisted generation")
+    g.add_argument("--ignore-eos", action="store_true", help="generate max_tokens even after EOS")
+    g.add_argument("--repeats", type=int, default=1, help="runs per cell, the fastest kept (default 1)")
+
+    m = p.add_argument_group("models")
+    m.add_argument("--draft", default=None, help="draft model (embedded name, HF directory or .gguf)")
+    m.add_argument("--target", default=None, help="target model")
+    m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    m.add_argument("--max-sl", type=int, default=20, help="engine ceiling on the speculation length (default 20)")
+    m.add_argument("--max-seq-len", type=int, default=2048)
+    m.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    m.add_argument("--draft-noise", type=float, default=0.0,
+                   help="std of Gaussian noise on the draft's logits: a deliberately weak draft (default 0)")
+    m.add_argument("--tiny", action="store_true", help="random-weight tiny pair instead of real models (smoke runs)")
+
+    s = p.add_argument_group("simulator (--simulate)")
+    s.add_argument("--simulate", action="store_true", help="trace-driven replay of every policy, with the oracle")
+    s.add_argument("--profiles", type=_strs, default=("measured", "gpu"),
+                   help="cost profiles: measured (timed forwards here), engine (fitted from RESULTS/bench.json), "
+                        "cpu, gpu, each with optional :key=value,... "
+                        "(ratio, knee, base_ms, per_token_ms, padded); default measured,gpu")
+    s.add_argument("--sim-policies", type=_strs, help="policies to replay (default: all, dsde-paper and oracle)")
+    s.add_argument("--sim-batch-sizes", type=_ints, default=(1, 4, 16), help="default 1,4,16")
+    s.add_argument("--sim-requests", type=int, default=None,
+                   help="requests per replay (default max(prompts, 2 x batch))")
+    s.add_argument("--horizon", type=int, default=None, help="draft rollout recorded per position (default --max-sl)")
+    s.add_argument("--traces-dir", default=None,
+                   help="where traces are kept (default $XDG_CACHE_HOME/dsde/traces: they hold the prompts' token "
+                        "ids, i.e. the data sets' records, which must not be committed)")
+    s.add_argument("--validate", action="store_true", help="also run the real engine on the traced prompts (T=0) "
+                                                           "and compare target forwards per token")
+    s.add_argument("--validate-batch-sizes", type=_ints, default=(1,), help="default 1")
+    s.add_argument("--validate-policies", type=_strs, help="default: every replayed policy but the oracle")
+    s.add_argument("--remeasure", action="store_true", help="measure the step costs again even if cached")
+
+    v = p.add_argument_group("server mode (--url)")
+    v.add_argument("--url", default=None, help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    v.add_argument("--api", choices=["chat", "completions"], default="chat")
+    v.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
+    v.add_argument("--concurrency", type=int, default=1, help="requests in flight at most (default 1; 0: unbounded)")
+    v.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default inf)")
+
+    o = p.add_argument_group("output")
+    o.add_argument("--results-dir", default="results")
+    o.add_argument("--out", default=None, help="results JSON (default RESULTS/{bench,simulate,serve}.json)")
+    o.add_argument("--benchmarks-md", default="BENCHMARKS.md", help="the page regenerated after the run")
+    o.add_argument("--no-report", action="store_true", help="do not regenerate BENCHMARKS.md")
+    o.add_argument("--no-plots", action="store_true")
+    o.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.url:
+            return _serve(args)
+        if args.simulate:
+            return _simulate(args)
+        return _grid(args)
+    except DataPackageMissing as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except DSDEError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+# ---- shared --------------------------------------------------------------------------------------------------
+_COMMAND: list[str] | None = None  # set by main(argv); `dsde bench` (run(args) alone) reads sys.argv
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    argv = list(argv if argv is not None else (_COMMAND or sys.argv))
+    head = "python -m dsde_bench" if argv and argv[0].endswith("__main__.py") else os.path.basename(argv[0] or "dsde")
+    return " ".join([head, *(shlex.quote(a) for a in argv[1:])])
+
+
+def _meta(plots: list[Path] | None = None) -> dict[str, Any]:
+    from dsde_bench.backend import machine_info
+
+    return {"command": command_line(), "machine": machine_info(),
+            "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "plots": [str(p) for p in plots or []]}
+
+
+def _write(doc: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1, default=_json_default))
+    print(f"wrote {path}")
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, float) and math.isinf(x):
+        return None
+    return str(x)
+
+
+def _finish(args: argparse.Namespace, doc: dict[str, Any], name: str, plot_fn: Any, table: str) -> int:
+    results = Path(args.results_dir)
+    plots: list[Path] = []
+    if not args.no_plots:
+        plots = plot_fn(doc, results / "plots")
+    doc["meta"] = _meta(plots)
+    _write(doc, Path(args.out) if args.out else results / f"{name}.json")
+    md = results / f"{name}.md"
+    md.write_text(table + "\n")
+    print(f"wrote {md}" + (f" and {len(plots)} plots in {results / 'plots'}" if plots else ""))
+    if not args.no_report:
+        from dsde_bench.report import write
+
+        print(f"wrote {write(results, args.benchmarks_md)}")
+    return 0
+
+
+def _backend(args: argparse.Namespace, max_batch: int) -> Any:
+    from dsde_bench.backend import load_backend, tiny_backend
+
+    if args.tiny:
+        return tiny_backend(max_batch=max_batch, max_sl=args.max_sl, max_seq_len=min(args.max_seq_len, 1024))
+    kw = {k: v for k, v in (("draft", args.draft), ("target", args.target)) if v}
+    print(f"loading models ({args.dtype}) ...", file=sys.stderr)
+    return load_backend(dtype=args.dtype, max_batch=max_batch, max_seq_len=args.max_seq_len, max_sl=args.max_sl,
+                        num_threads=args.threads, draft_noise=args.draft_noise, **kw)
+
+
+def _grid_config(args: argparse.Namespace) -> Any:
+    from dsde_bench.runner import FULL_GRID, FULL_POLICIES, SMALL_POLICIES, GridConfig
+
+    full = args.full
+    pol = args.policies
+    policies = FULL_POLICIES if pol == "all" else (_strs(pol) if pol else (FULL_GRID["policies"] if full else
+                                                                          SMALL_POLICIES))
+    workloads = tuple(parse_workloads(args.workloads or ("all" if full else SMALL_WORKLOADS)))
+    anchor = () if args.no_anchor else (args.anchor or ("hf-assisted", "hf-assisted-heuristic"))
+    return GridConfig(
+        workloads=workloads, policies=tuple(policies),
+        batch_sizes=args.batch_sizes or (FULL_GRID["batch_sizes"] if full else (1, 4)),
+        temperatures=args.temperatures or (FULL_GRID["temperatures"] if full else (0.0,)),
+        num_prompts=args.num_prompts or (FULL_GRID["num_prompts"] if full else 4),
+        max_tokens=args.max_tokens or (FULL_GRID["max_tokens"] if full else 32),
+        seed=args.seed, max_chars=args.max_chars, anchor=tuple(anchor), ignore_eos=args.ignore_eos,
+        repeats=args.repeats)
+
+
+# ---- modes ---------------------------------------------------------------------------------------------------
+def _grid(args: argparse.Namespace) -> int:
+    from dsde_bench.plots import bench_plots
+    from dsde_bench.report import bench_section
+    from dsde_bench.runner import run_grid
+
+    cfg = _grid_config(args)
+    for w in cfg.workloads:  # fail on a missing data package before loading any model
+        load_workload(w, cfg.num_prompts, cfg.seed, cfg.max_chars)
+    print(f"dsde bench: {cfg.num_cells()} cells; workloads {','.join(cfg.workloads)}, {cfg.num_prompts} prompts, "
+          f"{cfg.max_tokens} tokens, batch {cfg.batch_sizes}, T {cfg.temperatures}", file=sys.stderr)
+    backend = _backend(args, max(cfg.batch_sizes))
+    doc = run_grid(backend, cfg, progress=not args.no_progress)
+    return _finish(args, doc, "bench", bench_plots, bench_section({**doc, "meta": {"command": command_line()}}))
+
+
+def _trace_path(args: argparse.Namespace, backend_desc: dict[str, Any], workload: str, n: int, tokens: int,
+                horizon: int) -> Path:
+    tag = "tiny" if args.tiny else f"{backend_desc.get('target')}-{backend_desc.get('dtype')}"
+    tag = "".join(ch if ch.isalnum() or ch in ".-_" else "_" for ch in tag)
+    d = Path(args.traces_dir) if args.traces_dir else default_traces_dir()
+    return d / f"{workload}-n{n}-seed{args.seed}-t{tokens}-h{horizon}-{tag}.json"
+
+
+def default_traces_dir() -> Path:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "dsde" / "traces"
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from dsde_bench.plots import simulate_plots
+    from dsde_bench.report import simulate_section
+    from dsde_bench.simulator import (
+        DEFAULT_SIM_POLICIES,
+        CostModel,
+        fit_engine_steps,
+        measure_costs,
+        parse_profile,
+        sweep,
+    )
+    from dsde_bench.trace import Trace, record
+    from dsde_bench.validate import validate
+
+    workloads = parse_workloads(args.workloads or ("all" if args.full else SMALL_WORKLOADS))
+    n = args.num_prompts or (16 if args.full else 4)
+    tokens = args.max_tokens or (128 if args.full else SIM_DEFAULT_TOKENS)
+    horizon = args.horizon or args.max_sl
+    policies = args.sim_policies or DEFAULT_SIM_POLICIES
+    desc = {"draft": "tiny" if args.tiny else (args.draft or "qwen2.5-coder-0.5b-instruct"),
+            "target": "tiny" if args.tiny else (args.target or "qwen2.5-coder-1.5b-instruct"), "dtype": args.dtype}
+    backend = None
+
+    def get_backend() -> Any:
+        nonlocal backend
+        if backend is None:
+            backend = _backend(args, max(4, *args.validate_batch_sizes))
+        return backend
+
+    traces = []
+    for w in workloads:
+        prompts = load_workload(w, n, args.seed, args.max_chars)
+        path = _trace_path(args, desc, w, n, tokens, horizon)
+        if path.exists():
+            traces.append(Trace.load(path))
+            print(f"trace {w}: {path} (cached)", file=sys.stderr)
+            continue
+        b = get_backend()
+        t0 = time.perf_counter()
+        ids = [b.encode(p.text) for p in prompts]
+        tr = record(b.engine.target.runner, b.engine.draft.runner, ids, [p.id for p in prompts], tokens, horizon,
+                    eos_ids=b.engine.eos_ids, top_k=b.engine.config.draft_top_k, workload=w, backend=b.description)
+        tr.meta = {"seed": args.seed, "record_s": time.perf_counter() - t0, "prompt_texts_sha": _sha(prompts)}
+        tr.save(path)
+        traces.append(tr)
+        print(f"trace {w}: recorded in {time.perf_counter() - t0:.1f} s -> {path}", file=sys.stderr)
+
+    measured = None
+    if any(p.split(":")[0] == "measured" for p in args.profiles):
+        cpath = Path(args.results_dir) / ("costs-tiny.json" if args.tiny else "costs.json")
+        cached = json.loads(cpath.read_text()) if cpath.exists() and not args.remeasure else None
+        if cached and cached.get("backend") == desc:
+            measured = CostModel(**cached["model"])
+        else:
+            b = get_backend()
+            measured = measure_costs(b.engine.target.runner, b.engine.draft.runner)
+            cpath.parent.mkdir(parents=True, exist_ok=True)
+            cpath.write_text(json.dumps({"backend": desc, "model": measured.__dict__, "meta": _meta()}, indent=1))
+            print(f"measured step costs -> {cpath}", file=sys.stderr)
+    engine_model = None
+    if any(p.split(":")[0] == "engine" for p in args.profiles):
+        bench = Path(args.results_dir) / "bench.json"
+        if not bench.exists():
+            raise ConfigError(f"cost profile 'engine' fits the step timings of {bench}: run `dsde bench` first")
+        rows = [r for c in json.loads(bench.read_text()).get("steps", []) for r in c["steps"]]
+        engine_model = fit_engine_steps(rows)
+    profiles = [parse_profile(p, measured, engine_model) for p in args.profiles]
+
+    from dsde_bench.runner import ROW_HEADER, format_row
+
+    print(f"{'profile':10} " + ROW_HEADER)
+    doc = sweep(traces, policies, args.sim_batch_sizes, profiles, num_requests=args.sim_requests,
+                on_cell=lambda c: print(f"{c['profile'][:10]:10} " + format_row(
+                    {**c, "label": c.get("label", c["policy"])})))
+    if args.validate:
+        vpol = args.validate_policies or [p for p in policies if p != "oracle"]
+        doc["validation"] = validate(get_backend(), traces, vpol, args.validate_batch_sizes, print_fn=print)
+    return _finish(args, doc, "simulate", simulate_plots, simulate_section({**doc, "meta": {}}))
+
+
+def _sha(prompts: list[Any]) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in prompts:
+        h.update(p.text.encode("utf-8"))
+    return h.hexdigest()[:16]
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from dsde_bench.report import serve_section
+    from dsde_bench.serve_client import ServeConfig, run_serve_sync
+
+    workloads = parse_workloads(args.workloads or "mixed")
+    n = args.num_prompts or 16
+    cfg = ServeConfig(url=args.url, api=args.api, model=args.model, max_tokens=args.max_tokens or 64,
+                      temperature=(args.temperatures or (0.0,))[0], concurrency=args.concurrency or None,
+                      request_rate=args.request_rate, seed=args.seed)
+    runs = []
+    for w in workloads:
+        prompts = load_workload(w, n, args.seed, args.max_chars)
+        res = run_serve_sync(prompts, cfg)
+        res["workload"] = w
+        m = res["metrics"]
+        print(f"{w:8} completed {m['completed']}/{len(prompts)}  out {m['output_throughput']:.2f} tok/s  "
+              f"TTFT mean {m['mean_ttft_ms']:.0f} ms p99 {m['p99_ttft_ms']:.0f}  ITL mean {m['mean_itl_ms']:.0f} ms  "
+              f"E2EL mean {m['mean_e2el_ms']:.0f} ms p99 {m['p99_e2el_ms']:.0f}")
+        if res["errors"]:
+            print(f"  errors: {res['errors'][:3]}", file=sys.stderr)
+        runs.append(res)
+    doc = {"kind": "serve", "runs": runs}
+    return _finish(args, doc, "serve", lambda d, o: [], serve_section({**doc, "meta": {}}))
+
+
+def _report(argv: list[str]) -> int:
+    """python -m dsde_bench report [--results DIR] [--out PAGE] [--plots]: the page (and optionally the PNGs)."""
+    from dsde_bench.plots import bench_plots, simulate_plots
+    from dsde_bench.report import write
+
+    p = argparse.ArgumentParser(prog="python -m dsde_bench report", description="regenerate BENCHMARKS.md")
+    p.add_argument("--results", default="results")
+    p.add_argument("--out", default="BENCHMARKS.md")
+    p.add_argument("--plots", action="store_true", help="also redraw the PNGs from the JSON documents")
+    a = p.parse_args(argv)
+    if a.plots:
+        for name, fn in (("bench", bench_plots), ("simulate", simulate_plots)):
+            path = Path(a.results) / f"{name}.json"
+            if path.exists():
+                doc = json.loads(path.read_text())
+                doc.setdefault("meta", {})["plots"] = [str(x) for x in fn(doc, Path(a.results) / "plots")]
+                path.write_text(json.dumps(doc, indent=1))
+                print(f"redrew {len(doc['meta']['plots'])} plots of {path}")
+    print(f"wrote {write(a.results, a.out)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    global _COMMAND
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _COMMAND = ["__main__.py", *argv]
+    if argv[:1] == ["report"]:
+        return _report(argv[1:])
+    p = argparse.ArgumentParser(prog="dsde bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))

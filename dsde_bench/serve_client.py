@@ -1,0 +1,182 @@
+"""Server mode: the workloads against an OpenAI-compatible HTTP server, streaming, at a fixed concurrency or a
+Poisson request rate; figures named as `vllm bench serve` names them (see metrics.serve_metrics).
+
+    dsde bench --url http://127.0.0.1:8000 --workloads mixed --num-prompts 32 --concurrency 4
+    dsde bench --url http://127.0.0.1:8000 --request-rate 0.5 --max-concurrency 8
+
+Each request is one streamed `/v1/chat/completions` (default; the server applies the chat template) or
+`/v1/completions` call with model, messages|prompt, max_tokens, temperature, stream=true and
+stream_options.include_usage (token counts come from the final usage chunk; when a server sends none, content
+chunks are counted instead and the result says so). TTFT is measured to the first chunk that carries text; ITL
+is the gap between consecutive text chunks (one speculative step streams several tokens in one chunk).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from dsde_bench.metrics import DEFAULT_PERCENTILES, StreamRecord, serve_metrics
+from dsde_bench.workloads import Prompt
+from dsde_core.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    url: str
+    api: str = "chat"  # "chat": /v1/chat/completions, "completions": /v1/completions
+    model: str | None = None  # None: the first model of GET /v1/models
+    max_tokens: int = 64
+    temperature: float = 0.0
+    concurrency: int | None = 1  # requests in flight (vllm: --max-concurrency); None: unbounded
+    request_rate: float = math.inf  # requests per second, Poisson arrivals; inf: all at once (bounded by concurrency)
+    seed: int = 0
+    timeout_s: float = 600.0
+    percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"--url must start with http:// or https://, got {self.url!r}")
+        if self.api not in ("chat", "completions"):
+            raise ConfigError(f"api must be 'chat' or 'completions', got {self.api!r}")
+        if self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ConfigError(f"concurrency must be >= 1, got {self.concurrency}")
+        if not self.request_rate > 0:
+            raise ConfigError(f"request_rate must be > 0 (inf: no pacing), got {self.request_rate}")
+        if not all(0 <= q <= 100 for q in self.percentiles):
+            raise ConfigError(f"percentiles must be in [0, 100], got {self.percentiles}")
+
+    @property
+    def endpoint(self) -> str:
+        return "/v1/chat/completions" if self.api == "chat" else "/v1/completions"
+
+
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    """Offsets (s) of n Poisson arrivals at `rate` per second (all 0 for an infinite rate)."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def request_body(cfg: ServeConfig, model: str, text: str, seed: int) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature,
+                            "stream": True, "stream_options": {"include_usage": True}, "seed": seed}
+    if cfg.api == "chat":
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = text
+    return body
+
+
+def chunk_text(obj: dict[str, Any]) -> str:
+    """The text of one streamed chunk (chat delta content or completion text)."""
+    choices = obj.get("choices") or []
+    if not choices:
+        return ""
+    c = choices[0]
+    if "delta" in c:
+        return (c.get("delta") or {}).get("content") or ""
+    return c.get("text") or ""
+
+
+async def stream_one(client: Any, cfg: ServeConfig, model: str, text: str, seed: int) -> StreamRecord:
+    """One streamed request; never raises for a failed request (the record says why)."""
+    start = time.perf_counter()
+    rec = StreamRecord(start, [], 0)
+    chunks = 0
+    usage = None
+    spec = None
+    try:
+        async with client.stream("POST", cfg.url.rstrip("/") + cfg.endpoint,
+                                 json=request_body(cfg, model, text, seed), timeout=cfg.timeout_s) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode("utf-8", "replace")
+                return StreamRecord(start, [], 0, ok=False, error=f"HTTP {resp.status_code}: {body[:300]}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    return StreamRecord(start, rec.chunk_times, 0, ok=False, error=str(obj["error"])[:300])
+                if chunk_text(obj):
+                    rec.chunk_times.append(time.perf_counter())
+                    chunks += 1
+                usage = obj.get("usage") or usage
+                spec = obj.get("speculation") or spec
+    except Exception as e:  # network errors, timeouts, bad JSON: a failed request, not a failed benchmark
+        return StreamRecord(start, rec.chunk_times, 0, ok=False, error=f"{type(e).__name__}: {e}")
+    rec.output_tokens = int(usage["completion_tokens"]) if usage else chunks
+    rec.prompt_tokens = int(usage["prompt_tokens"]) if usage else 0
+    rec.usage_reported = usage is not None
+    rec.speculation = spec
+    return rec
+
+
+async def discover_model(client: Any, url: str) -> str:
+    resp = await client.get(url.rstrip("/") + "/v1/models", timeout=30.0)
+    resp.raise_for_status()
+    data = resp.json().get("data") or []
+    if not data:
+        raise ConfigError(f"{url}/v1/models lists no model; pass --model")
+    return data[0]["id"]
+
+
+async def run_serve(prompts: Sequence[Prompt], cfg: ServeConfig, transport: Any = None) -> dict[str, Any]:
+    """Send every prompt, paced by the arrival process and bounded by the concurrency. Returns the results document
+    (metrics + per-request records). `transport`: an httpx transport (tests)."""
+    import httpx
+
+    async with httpx.AsyncClient(transport=transport, timeout=cfg.timeout_s) as client:
+        model = cfg.model or await discover_model(client, cfg.url)
+        sem = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else None
+        offsets = arrival_times(len(prompts), cfg.request_rate, cfg.seed)
+        t0 = time.perf_counter()
+
+        async def one(i: int, p: Prompt) -> StreamRecord:
+            delay = offsets[i] - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if sem is None:
+                return await stream_one(client, cfg, model, p.text, cfg.seed + i)
+            async with sem:
+                return await stream_one(client, cfg, model, p.text, cfg.seed + i)
+
+        records = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        duration = time.perf_counter() - t0
+    metrics = serve_metrics(records, duration, cfg.percentiles)
+    usage_ok = all(r.usage_reported for r in records if r.ok)
+    spec = [r.speculation for r in records if r.ok and r.speculation]
+    if spec:
+        drafted = sum(s.get("drafted", 0) for s in spec)
+        metrics["acceptance_rate"] = sum(s.get("accepted", 0) for s in spec) / drafted if drafted else 0.0
+        metrics["mean_sl"] = sum(s.get("mean_sl", 0.0) for s in spec) / len(spec)
+    return {
+        "model": model,
+        "config": {**asdict(cfg), "request_rate": None if math.isinf(cfg.request_rate) else cfg.request_rate},
+        "metrics": metrics,
+        "token_counts": "server usage" if usage_ok else "content chunks (the server sent no usage)",
+        "errors": [r.error for r in records if not r.ok][:10],
+        "requests": [{"prompt_id": p.id, "workload": p.workload, "ok": r.ok, "ttft_s": r.ttft, "e2el_s": r.e2el,
+                      "output_tokens": r.output_tokens, "chunks": len(r.chunk_times)}
+                     for p, r in zip(prompts, records, strict=True)],
+    }
+
+
+def run_serve_sync(prompts: Sequence[Prompt], cfg: ServeConfig, transport: Any = None) -> dict[str, Any]:
+    return asyncio.run(run_serve(prompts, cfg, transport))

@@ -1,0 +1,93 @@
+"""`dsde generate | prepare | serve | bench`.
+
+generate and prepare are dsde_core.cli's (in-process, no Ray); serve starts a local Ray cluster and the
+OpenAI-compatible service on it (services.launch); bench is dsde_bench's (imported when used).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from dsde_core import cli as core_cli
+from dsde_core.errors import DSDEError
+from dsde_core.models.loader import DEFAULT_DRAFT, DEFAULT_TARGET
+from dsde_core.policies import POLICY_NAMES
+
+
+def _add_serve(sub: Any) -> None:
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible API on a local Ray cluster (Ctrl-C stops it)")
+    s.add_argument("--draft", default=DEFAULT_DRAFT, help="embedded name, HF model directory or .gguf file; "
+                                                          "'none' for target-only serving")
+    s.add_argument("--target", default=DEFAULT_TARGET, help="embedded name, HF model directory or .gguf file")
+    s.add_argument("--model-name", default=None, help="the model name clients send (default: the target's)")
+    s.add_argument("--policy", default="dsde", help=f"initial policy: {', '.join(POLICY_NAMES)} (static:K)")
+    s.add_argument("--dtype", default="bfloat16", help="bfloat16 (fast) or float32")
+    s.add_argument("--device", default="auto", help="auto (cuda when an actor has a GPU), cpu or cuda[:N]")
+    s.add_argument("--max-batch-size", type=int, default=8, help="KV slots: sequences decoded together")
+    s.add_argument("--max-seq-len", type=int, default=2048, help="context window per sequence")
+    s.add_argument("--threads", type=int, default=None, help="torch threads per model actor (default: all cores)")
+    s.add_argument("--num-gpus", type=float, default=0.0, help="GPUs for each model actor (default 0)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--metrics-port", type=int, default=8080, help="Prometheus endpoint of Ray's metrics export")
+    s.add_argument("--num-cpus", type=int, default=None, help="Ray's logical CPUs (default: the machine's)")
+    s.add_argument("--worker-niceness", type=int, default=0,
+                   help="nice level of Ray's workers, the model actors included (default 0; Ray's own default is 15)")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from services.launch import LocalServe, serve_forever
+    except ImportError as e:
+        print(f"dsde: error: `dsde serve` needs the serve extra ({e}); run make setup or "
+              f"pip install -e '.[serve]'", file=sys.stderr)
+        return 2
+    app_args = {"draft": args.draft, "target": args.target, "model_name": args.model_name, "policy": args.policy,
+                "dtype": args.dtype, "device": args.device, "max_batch_size": args.max_batch_size,
+                "max_seq_len": args.max_seq_len, "num_threads": args.threads,
+                "draft_num_gpus": args.num_gpus, "target_num_gpus": args.num_gpus}
+    opts = LocalServe(app_args, host=args.host, port=args.port, num_cpus=args.num_cpus,
+                      metrics_port=args.metrics_port or None, worker_niceness=args.worker_niceness)
+    return serve_forever(opts, log=lambda msg: print(msg, flush=True))
+
+
+def _add_bench(sub: Any) -> None:
+    from dsde_bench import cli as bench_cli
+
+    b = sub.add_parser("bench", help="every SL policy against the baselines: real runs, simulator, or a server",
+                       description=bench_cli.__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    bench_cli.add_arguments(b)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from dsde_bench import cli as bench_cli
+
+    return bench_cli.run(args)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dsde", description="DSDE speculative decoding: in-process or as a service")
+    sub = p.add_subparsers(dest="command", required=True)
+    handlers = core_cli.add_commands(sub)
+    _add_serve(sub)
+    _add_bench(sub)
+    handlers.update(serve=_serve, bench=_bench)
+    p.set_defaults(_handlers=handlers)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args._handlers[args.command](args)
+    except DSDEError as e:
+        print(f"dsde: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

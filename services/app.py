@@ -1,0 +1,28 @@
+"""The app builder for `serve run` / `serve deploy` (import_path: services.app:build_app) and `dsde serve`.
+
+    serve run services.app:build_app draft=qwen2.5-coder-0.5b-instruct policy=dsde max_batch_size=8
+
+`args` are ServiceConfig's fields (models, dtype, engine shape, actor resources; see services/config.py) plus an
+optional `user_config` (PolicyConfig's fields: policy, params, cap, max_sl). A config file's deployment-level
+`user_config` takes precedence and can be changed live: Serve then calls `reconfigure()` on the running replica,
+which swaps the policy for requests that arrive afterwards without reloading the models.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve import Application
+
+from services.config import PolicyConfig, ServiceConfig
+from services.ingress import DSDEServer
+
+
+def build_app(args: dict[str, Any] | None = None) -> Application:
+    args = dict(args or {})
+    user_config = args.pop("user_config", None)
+    cfg = ServiceConfig.from_args(args)  # ConfigError here fails the deploy with a clear message
+    if user_config is None:
+        return DSDEServer.bind(cfg)
+    PolicyConfig.from_dict(user_config)
+    return DSDEServer.options(user_config=user_config).bind(cfg)

@@ -1,0 +1,170 @@
+"""The service's two configurations, validated at construction (ConfigError names the field and the range).
+
+ServiceConfig: what the app is built with (the `args` of `serve deploy` / `build_app`): the models, the engine's
+shape and where each actor runs. Changing it means new actors, i.e. reloading the models.
+
+PolicyConfig: the deployment's `user_config`, applied live by `reconfigure()` without touching the models: the
+policy spec and its parameters, the cap switch, a global ceiling on the speculation length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from dsde_core.config import DTYPES, EngineConfig
+from dsde_core.errors import ConfigError
+from dsde_core.models.loader import DEFAULT_DRAFT, DEFAULT_TARGET
+from dsde_core.policies import DEFAULT_POLICY, make_policy
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _from_dict(cls: type, data: dict[str, Any] | None, what: str) -> Any:
+    """cls(**data), with a clear error for unknown keys and for a value of the wrong shape."""
+    data = dict(data or {})
+    known = [f.name for f in fields(cls) if f.init]
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ConfigError(f"{what}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(known)}")
+    try:
+        return cls(**data)
+    except TypeError as e:
+        raise ConfigError(f"{what}: {e}") from None
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """The app's build arguments. Resources are Ray logical resources per actor; 0 GPUs by default."""
+
+    draft: str | None = DEFAULT_DRAFT  # None (or "none"): target-only serving
+    target: str = DEFAULT_TARGET
+    model_name: str | None = None  # the `model` clients send; default: the target's name
+    dtype: str = "bfloat16"
+    device: str = "auto"  # auto: cuda when the actor was given a GPU, else cpu
+    max_batch_size: int = 8
+    max_seq_len: int = 2048
+    max_sl: int = 20
+    draft_top_k: int = 64
+    draft_quant: str = "auto"  # the draft's weights: int8, none, or auto (int8 for bf16 on a CPU), as in-process
+    policy: str = DEFAULT_POLICY  # the initial policy; a user_config replaces it live
+    num_threads: int | None = None  # torch threads in each model actor; None: the machine's cores
+    draft_num_cpus: float = 1.0
+    draft_num_gpus: float = 0.0
+    target_num_cpus: float = 1.0
+    target_num_gpus: float = 0.0
+    controller_num_cpus: float = 0.0
+
+    def __post_init__(self) -> None:
+        draft = self.draft
+        if isinstance(draft, str) and draft.strip().lower() in ("", "none"):
+            object.__setattr__(self, "draft", None)
+        _check(isinstance(self.target, str) and bool(self.target),
+               f"target must be a model source, got {self.target!r}")
+        _check(self.model_name is None or (isinstance(self.model_name, str) and bool(self.model_name.strip())),
+               f"model_name must be a non-empty string, got {self.model_name!r}")
+        _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+               f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        for name in ("draft_num_cpus", "draft_num_gpus", "target_num_cpus", "target_num_gpus", "controller_num_cpus"):
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and 0 <= value <= 1024,
+                   f"{name} must be in [0, 1024], got {value!r}")
+        make_policy(self.policy)  # a bad spec fails at build time, not in the controller
+        self.engine_config()  # the engine's own checks (batch, lengths, dtype, threads)
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any] | None) -> ServiceConfig:
+        return _from_dict(cls, args, "app args")
+
+    @property
+    def served_name(self) -> str:
+        if self.model_name:
+            return self.model_name
+        return os.path.basename(os.path.normpath(self.target)) or self.target
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len, max_sl=self.max_sl,
+                            draft_top_k=self.draft_top_k, dtype=self.dtype, draft_quant=self.draft_quant,
+                            device="cpu" if self.device == "auto" else self.device, num_threads=self.num_threads)
+
+    @property
+    def torch_dtype(self) -> Any:
+        return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The live part (`user_config`). Requests that arrive after a change use the new policy.
+
+    policy: a spec for dsde_core.policies.make_policy ("dsde", "static:4", "off", ...).
+    params: fields of that policy's config dataclass, e.g. {"c": 0.3, "min_spec": 3} for dsde, {"k": 3} for static.
+    cap:    None keeps the spec's choice ("dsde" is capped, "dsde-nocap" is not); True/False forces the cap on/off.
+    max_sl: ceiling on every request's speculation length (None: only the engine's max_sl).
+    """
+
+    policy: str = DEFAULT_POLICY
+    params: dict[str, Any] = field(default_factory=dict)
+    cap: bool | None = None
+    max_sl: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.policy, str), f"user_config policy must be a string, got {self.policy!r}")
+        _check(isinstance(self.params, dict), f"user_config params must be a mapping, got {self.params!r}")
+        _check(self.cap is None or isinstance(self.cap, bool),
+               f"user_config cap must be true or false, got {self.cap!r}")
+        _check(self.max_sl is None or (isinstance(self.max_sl, int) and not isinstance(self.max_sl, bool)
+                                       and 0 <= self.max_sl <= 64),
+               f"user_config max_sl must be an integer in [0, 64], got {self.max_sl!r}")
+        object.__setattr__(self, "params", dict(self.params))
+        build_policy(self)  # validate now: a bad user_config fails the update, not a later request
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> PolicyConfig:
+        return _from_dict(cls, data, "user_config")
+
+    def describe(self) -> str:
+        text = self.policy.strip().lower()
+        if self.params:
+            text += "{" + ",".join(f"{k}={v}" for k, v in sorted(self.params.items())) + "}"
+        if self.cap is not None:
+            text += "+cap" if self.cap else "-cap"
+        return text
+
+
+def build_policy(cfg: PolicyConfig) -> Any:
+    """A fresh SpeculationPolicy for `cfg`: make_policy(spec), its config fields overridden, the cap on or off."""
+    from dsde_core.policies import CappedPolicy
+
+    policy = make_policy(cfg.policy)
+    capped = isinstance(policy, CappedPolicy)
+    base = policy.inner if capped else policy
+    if cfg.params:
+        base_cfg = getattr(base, "config", None)
+        if base_cfg is None or type(base).__name__ == "OffPolicy":
+            raise ConfigError(f"user_config: policy {cfg.policy!r} takes no params, got {sorted(cfg.params)}")
+        known = {f.name for f in fields(base_cfg)} - {"variant"}
+        unknown = sorted(set(cfg.params) - known)
+        if unknown:
+            raise ConfigError(f"user_config: policy {cfg.policy!r} has no parameter(s) {', '.join(unknown)}; "
+                              f"valid: {', '.join(sorted(known))}")
+        base = type(base)(type(base_cfg)(**{**_spec_fields(base_cfg), **cfg.params}))
+    want_cap = capped if cfg.cap is None else cfg.cap
+    policy = CappedPolicy(base) if want_cap else base
+    policy.name = cfg.describe()
+    return policy
+
+
+def _spec_fields(cfg: Any) -> dict[str, Any]:
+    """The fields a spec set (static's k, acceptance's threshold, dsde's variant), not ones derived in
+    __post_init__ (default None): params then start from the spec, and derived values are derived again."""
+    out = {}
+    for f in fields(cfg):
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if default is not None and getattr(cfg, f.name) != default:
+            out[f.name] = getattr(cfg, f.name)
+    return out

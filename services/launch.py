@@ -1,0 +1,136 @@
+"""`dsde serve`: start a local Ray, run the app on it, print the URL, block, and stop everything on Ctrl-C or
+SIGTERM (Serve first, then Ray: the cluster this process started and nothing else)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsde_core.errors import ConfigError, DSDEError, ModelLoadError
+from dsde_core.models.packaged import EMBEDDED
+from services.config import PolicyConfig, ServiceConfig
+from services.placement import strip_exception_type
+
+APP_NAME = "dsde"
+
+
+@dataclass
+class LocalServe:
+    args: dict[str, Any] = field(default_factory=dict)  # build_app args (ServiceConfig fields, user_config)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    num_cpus: int | None = None  # Ray's logical CPUs; None: the machine's
+    metrics_port: int | None = 8080  # Prometheus endpoint of Ray's metrics export; None: Ray picks one
+    object_store_memory: int = 256 * 2**20
+    worker_niceness: int | None = 0  # Ray runs workers (the model actors) at nice 15 unless told; None: Ray's
+
+    def check(self) -> None:
+        """Fail before Ray starts: bad args, a model source that is not there, ports already taken."""
+        cfg = ServiceConfig.from_args(_no_user(self.args))
+        for role, source in (("--target", cfg.target), ("--draft", cfg.draft)):
+            if source is not None and not _model_source_exists(source):
+                raise ModelLoadError(f"{role} {source!r} is not an embedded model name ({', '.join(EMBEDDED)}), "
+                                     f"a local Hugging Face model directory or a local .gguf file")
+        if "user_config" in self.args:
+            PolicyConfig.from_dict(self.args["user_config"])
+        for name, port in (("--port", self.port), ("--metrics-port", self.metrics_port)):
+            if port is not None and not _port_free(self.host if name == "--port" else "127.0.0.1", port):
+                raise ConfigError(f"{name} {port} is already in use; pick another one")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def _model_source_exists(source: str) -> bool:
+    path = Path(os.path.expanduser(source))
+    return source in EMBEDDED or path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf")
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def serve_forever(opts: LocalServe, stop: threading.Event | None = None, log: Any = print) -> int:
+    """Run until `stop` is set or SIGINT/SIGTERM arrives; returns the exit code."""
+    import ray
+    from ray import serve
+
+    from services.app import build_app
+
+    opts.check()
+    stop = stop or threading.Event()
+    t0 = time.perf_counter()
+    # worker_niceness 0: at Ray's default of 15, any other busy process on the machine (a load generator, a
+    # build) takes the CPU from the model actors; this cluster exists only to serve, so they run at normal priority
+    system_config = {} if opts.worker_niceness is None else {"worker_niceness": opts.worker_niceness}
+    ray.init(address="local", num_cpus=opts.num_cpus, include_dashboard=False, log_to_driver=False,
+             object_store_memory=opts.object_store_memory, _metrics_export_port=opts.metrics_port,
+             _system_config=system_config)
+    previous = {}
+    ready = threading.Event()
+
+    def on_signal(*_: Any) -> None:
+        if not ready.is_set():
+            raise KeyboardInterrupt  # still starting: abort serve.run; the finally below cleans up
+        stop.set()
+
+    try:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous[sig] = signal.signal(sig, on_signal)
+        serve.start(http_options={"host": opts.host, "port": opts.port})
+        log("dsde serve: loading the models (the first start converts the embedded pair; minutes) ...")
+        try:
+            serve.run(build_app(opts.args), name=APP_NAME, route_prefix="/", blocking=False)
+        except RuntimeError as e:
+            raise ServiceStartError(f"the service failed to start: {_deploy_failure(serve) or e}") from None
+        log(f"dsde serve: ready in {time.perf_counter() - t0:.0f}s at {opts.url}/v1 "
+            f"(OpenAI API; model {ServiceConfig.from_args(_no_user(opts.args)).served_name!r})")
+        if opts.metrics_port:
+            log(f"dsde serve: Prometheus metrics at http://127.0.0.1:{opts.metrics_port}/metrics (ray_dsde_*)")
+        log("dsde serve: Ctrl-C or SIGTERM stops it")
+        ready.set()
+        while not stop.wait(0.5):
+            pass
+        log("dsde serve: stopping")
+        return 0
+    finally:
+        ready.set()  # a second signal while shutting down only sets `stop`
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        ray.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class ServiceStartError(DSDEError):
+    """The app did not reach RUNNING (typically a model that could not be loaded)."""
+
+
+def _deploy_failure(serve: Any) -> str:
+    """The most specific message Serve holds about why the app failed (the replica's exception)."""
+    try:
+        app = serve.status().applications[APP_NAME]
+    except Exception:
+        return ""
+    messages = [d.message for d in app.deployments.values() if d.message] + [app.message]
+    text = next((m.strip() for m in messages if m and m.strip()), "")
+    return strip_exception_type(text.splitlines()[-1]) if text else ""
+
+
+def _no_user(args: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in args.items() if k != "user_config"}

@@ -1,0 +1,201 @@
+"""Prometheus metrics through Ray's metrics export (ray.util.metrics; Ray adds the prefix `ray_`, and `_total`
+to counters). Names follow vLLM's where one exists, so existing queries carry over with `vllm:` -> `ray_dsde_`.
+
+Recorded in the ingress, where the engine lives, from what the engine already produces: each request's outputs
+and final RequestStats (ServiceMetrics.on_output / on_finish), and each step's plans and feedback as they pass
+through the policy interface (ObservedPolicy wraps the policy the engine talks to). dsde_core records nothing.
+Every metric is tagged with the served model name. The README's metrics table lists them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ray.util import metrics as rm
+
+from dsde_core.cost import StepCosts
+from dsde_core.policies import Plan, SeqInfo, SpeculationPolicy, StepFeedback
+from dsde_core.request import RequestOutput, RequestStats
+
+LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                   40.0, 80.0, 160.0]
+SL_BUCKETS = [i + 0.5 for i in range(20)] + [32.5, 64.5]  # k = 0, 1, ..., 20 each in its own bucket
+KLD_BUCKETS = [0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0]
+WVIR_BUCKETS = [0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0]
+
+# (name as registered, kind, description, extra tag keys, histogram boundaries)
+METRICS: list[tuple[str, str, str, tuple[str, ...], list[float] | None]] = [
+    ("dsde_num_requests_running", "gauge", "Requests in the engine's running batch", (), None),
+    ("dsde_num_requests_waiting", "gauge", "Requests waiting for a KV slot", (), None),
+    ("dsde_kv_slots_in_use", "gauge", "KV-cache slots held by running requests", (), None),
+    ("dsde_sl_cap", "gauge", "DSDE's batch SL cap at the last step (0 when no sequence was capped)", (), None),
+    ("dsde_prompt_tokens", "counter", "Prompt tokens of admitted requests", (), None),
+    ("dsde_generation_tokens", "counter", "Tokens generated", (), None),
+    ("dsde_spec_decode_num_drafts", "counter", "Sequence-steps that proposed at least one draft token", (), None),
+    ("dsde_spec_decode_num_draft_tokens", "counter", "Draft tokens proposed", (), None),
+    ("dsde_spec_decode_num_accepted_tokens", "counter", "Draft tokens accepted", (), None),
+    ("dsde_spec_decode_num_draft_tokens_per_pos", "counter", "Draft tokens proposed at each draft position",
+     ("position",), None),
+    ("dsde_spec_decode_num_accepted_tokens_per_pos", "counter", "Draft tokens accepted at each draft position",
+     ("position",), None),
+    ("dsde_speculation_enabled", "counter", "Sequence-steps planned with k > 0", (), None),
+    ("dsde_speculation_disabled", "counter", "Sequence-steps planned with k = 0 (target-only step)", (), None),
+    ("dsde_requests_finished", "counter", "Requests ended, by reason (stop, length, cancelled, error)",
+     ("finished_reason",), None),
+    ("dsde_request_errors", "counter", "HTTP error responses, by status code", ("status_code",), None),
+    ("dsde_time_to_first_token_seconds", "histogram", "Arrival to first token", (), LATENCY_BUCKETS),
+    ("dsde_inter_token_latency_seconds", "histogram",
+     "Time between successive emissions of a request (one per engine step that gave it tokens)", (),
+     LATENCY_BUCKETS),
+    ("dsde_time_per_output_token_seconds", "histogram", "Per request: (last - first token time) / (tokens - 1)",
+     (), LATENCY_BUCKETS),
+    ("dsde_e2e_request_latency_seconds", "histogram", "Arrival to the last token", (), LATENCY_BUCKETS),
+    ("dsde_sl_chosen", "histogram", "Speculation length planned per sequence and step", (), SL_BUCKETS),
+    ("dsde_kld", "histogram", "KL(target || draft) per proposed position (sparse, signal temperature)", (),
+     KLD_BUCKETS),
+    ("dsde_wvir", "histogram", "DSDE's weighted variance intensity ratio per sequence and step", (), WVIR_BUCKETS),
+]
+
+
+def exported_name(name: str, kind: str) -> str:
+    """The Prometheus series name Ray exports for a registered metric."""
+    return f"ray_{name}_total" if kind == "counter" else f"ray_{name}"
+
+
+class ServiceMetrics:
+    """All of the service's metrics, created once per ingress replica; thread-safe to record from the engine
+    thread and the event loop alike (ray.util.metrics records into the core worker)."""
+
+    def __init__(self, model: str) -> None:
+        self.tags = {"model": model}
+        self.m: dict[str, Any] = {}
+        for name, kind, desc, extra, buckets in METRICS:
+            keys = ("model", *extra)
+            if kind == "gauge":
+                self.m[name] = rm.Gauge(name, desc, tag_keys=keys)
+            elif kind == "counter":
+                self.m[name] = rm.Counter(name, desc, tag_keys=keys)
+            else:
+                self.m[name] = rm.Histogram(name, desc, boundaries=buckets, tag_keys=keys)
+            self.m[name].set_default_tags(self.tags)
+
+    def _inc(self, name: str, value: float, **tags: str) -> None:
+        if value > 0:
+            self.m[name].inc(value, tags=tags or None)
+
+    # ---- per request (event loop) -------------------------------------------------------------------
+    def on_admit(self, prompt_tokens: int) -> None:
+        self._inc("dsde_prompt_tokens", prompt_tokens)
+
+    def on_output(self, out: RequestOutput) -> None:
+        self._inc("dsde_generation_tokens", len(out.token_ids))
+
+    def on_finish(self, reason: str, stats: RequestStats | None) -> None:
+        self._inc("dsde_requests_finished", 1, finished_reason=reason or "unknown")
+        if stats is None:
+            return
+        if stats.ttft is not None:
+            self.m["dsde_time_to_first_token_seconds"].observe(stats.ttft)
+        if stats.e2e is not None and stats.first_token is not None:
+            self.m["dsde_e2e_request_latency_seconds"].observe(stats.e2e)
+        if stats.itl is not None:
+            self.m["dsde_time_per_output_token_seconds"].observe(stats.itl)
+        emissions = sorted(set(stats.token_times))
+        for a, b in zip(emissions, emissions[1:], strict=False):
+            self.m["dsde_inter_token_latency_seconds"].observe(b - a)
+
+    def on_error_status(self, status: int) -> None:
+        self._inc("dsde_request_errors", 1, status_code=str(status))
+
+    # ---- per step (engine thread) -------------------------------------------------------------------
+    def on_load(self, running: int, waiting: int, slots_in_use: int) -> None:
+        self.m["dsde_num_requests_running"].set(running)
+        self.m["dsde_num_requests_waiting"].set(waiting)
+        self.m["dsde_kv_slots_in_use"].set(slots_in_use)
+
+    def on_plan(self, plans: Sequence[Plan]) -> None:
+        sl = self.m["dsde_sl_chosen"]
+        for p in plans:
+            sl.observe(p.k)
+        on = sum(p.k > 0 for p in plans)
+        self._inc("dsde_speculation_enabled", on)
+        self._inc("dsde_speculation_disabled", len(plans) - on)
+
+    def on_feedback(self, feedback: Sequence[StepFeedback], telemetry: Any) -> None:
+        drafted_at: list[int] = []
+        accepted_at: list[int] = []
+        kld = self.m["dsde_kld"]
+        for fb in feedback:
+            for v in fb.kld:
+                kld.observe(v)
+            if fb.proposed > len(drafted_at):
+                grow = fb.proposed - len(drafted_at)
+                drafted_at += [0] * grow
+                accepted_at += [0] * grow
+            for j in range(fb.proposed):
+                drafted_at[j] += 1
+                accepted_at[j] += j < fb.accepted
+        self._inc("dsde_spec_decode_num_drafts", sum(fb.proposed > 0 for fb in feedback))
+        self._inc("dsde_spec_decode_num_draft_tokens", sum(drafted_at))
+        self._inc("dsde_spec_decode_num_accepted_tokens", sum(accepted_at))
+        for j, (d, a) in enumerate(zip(drafted_at, accepted_at, strict=True)):
+            self._inc("dsde_spec_decode_num_draft_tokens_per_pos", d, position=str(j))
+            self._inc("dsde_spec_decode_num_accepted_tokens_per_pos", a, position=str(j))
+        if telemetry is not None:
+            self.m["dsde_sl_cap"].set(telemetry.cap or 0)
+            for w in telemetry.wvir:
+                self.m["dsde_wvir"].observe(w)
+
+
+_current: list[ServiceMetrics] = []
+
+
+def set_current(metrics: ServiceMetrics) -> None:
+    """Register this process's metrics (one ingress replica per process) for code that has no handle on the
+    replica, such as FastAPI's exception handlers."""
+    _current[:] = [metrics]
+
+
+def current() -> ServiceMetrics | None:
+    return _current[0] if _current else None
+
+
+class ObservedPolicy(SpeculationPolicy):
+    """Wraps the policy the engine talks to and records each step's plans and feedback; decides nothing.
+
+    `load` gives (running, waiting, slots in use) for the gauges; it is read at every plan and release, i.e.
+    whenever the engine's batch changes.
+    """
+
+    def __init__(self, inner: SpeculationPolicy, metrics: ServiceMetrics, load: Any = None) -> None:
+        self.inner, self.metrics, self.load = inner, metrics, load
+        self.name = inner.name
+
+    def _record_load(self) -> None:
+        if self.load is not None:
+            self.metrics.on_load(*self.load())
+
+    def plan(self, seqs: Sequence[SeqInfo], costs: StepCosts | None = None) -> list[Plan]:
+        plans = self.inner.plan(seqs, costs)
+        self._record_load()
+        self.metrics.on_plan(plans)
+        return plans
+
+    def observe(self, feedback: Sequence[StepFeedback]) -> Any:
+        telemetry = self.inner.observe(feedback)
+        self.metrics.on_feedback(feedback, telemetry)
+        return telemetry
+
+    def release(self, req_id: str) -> None:
+        self.inner.release(req_id)
+        self._record_load()
+
+    def num_tracked(self) -> int:
+        return self.inner.num_tracked()
+
+    def stats(self, req_id: str) -> dict[str, float]:
+        return self.inner.stats(req_id)
+
+    def cappable(self, req_id: str) -> bool:
+        return self.inner.cappable(req_id)

@@ -1,0 +1,84 @@
+"""Where the actors run: the draft host, the target host and the controller, each with its own resources.
+
+The actors are owned by the process that creates them (the ingress replica): they live and die with it, so a
+replica restart or an app deletion never leaves models behind. Each is created with max_restarts=0: a host
+that dies fails the requests in flight with a clear error, and the replica's health check then fails so that
+Serve replaces the replica (and with it the actors).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from dsde_core.errors import ModelLoadError
+from services.actors import DraftHost, ModelInfo, TargetHost
+from services.config import PolicyConfig, ServiceConfig
+from services.controller import Controller
+
+
+@dataclass
+class Actors:
+    target: Any
+    draft: Any | None
+    controller: Any
+    target_info: ModelInfo
+    draft_info: ModelInfo | None
+
+    def all(self) -> list[Any]:
+        return [a for a in (self.target, self.draft, self.controller) if a is not None]
+
+    def kill(self) -> None:
+        for actor in self.all():
+            ray.kill(actor, no_restart=True)
+
+
+def _resources(num_cpus: float, num_gpus: float) -> dict[str, Any]:
+    return {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_restarts": 0, "max_task_retries": 0}
+
+
+def start_actors(cfg: ServiceConfig, policy: PolicyConfig) -> Actors:
+    """Create the three actors and wait until both models are loaded; ModelLoadError names what failed."""
+    common = dict(dtype=cfg.dtype, device=cfg.device, max_batch_size=cfg.max_batch_size,
+                  max_seq_len=cfg.max_seq_len, num_threads=cfg.num_threads)
+    target = ray.remote(TargetHost).options(**_resources(cfg.target_num_cpus, cfg.target_num_gpus)).remote(
+        cfg.target, **common)
+    draft = None
+    if cfg.draft is not None:
+        draft = ray.remote(DraftHost).options(**_resources(cfg.draft_num_cpus, cfg.draft_num_gpus)).remote(
+            cfg.draft, top_k=cfg.draft_top_k, quant=cfg.draft_quant, **common)
+    controller = ray.remote(Controller).options(**_resources(cfg.controller_num_cpus, 0)).remote(policy)
+    try:
+        target_info = _describe(target, "target", cfg.target)
+        draft_info = _describe(draft, "draft", cfg.draft) if draft is not None else None
+        ray.get(controller.ping.remote())
+    except BaseException:
+        for actor in (target, draft, controller):
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+        raise
+    return Actors(target, draft, controller, target_info, draft_info)
+
+
+def _describe(actor: Any, role: str, source: str) -> ModelInfo:
+    try:
+        return ray.get(actor.describe.remote())
+    except ray.exceptions.RayActorError as e:
+        raise ModelLoadError(f"the {role} actor could not load {source!r}: {_cause(e)}") from None
+
+
+def _cause(e: Exception) -> str:
+    """The innermost error message of an actor that died in its constructor."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    for line in reversed(lines):
+        if re.match(r"^[\w.]+(Error|Exception): ", line):
+            return strip_exception_type(line)
+    return lines[-1] if lines else type(e).__name__
+
+
+def strip_exception_type(line: str) -> str:
+    """'pkg.mod.SomeError: message' -> 'message' (a traceback's last line, for a user-facing error)."""
+    return re.sub(r"^[\w.]+(Error|Exception): ", "", line.strip())

@@ -1,0 +1,158 @@
+"""The OpenAI-compatible request bodies (pydantic, with bounds) and the error body.
+
+Fields the OpenAI client may send that this server does not implement are accepted at their neutral value
+(n=1, no logprobs, zero penalties) and rejected otherwise with a 400 naming the field; unknown fields are
+ignored, as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from dsde_core.config import SamplingParams, SpeculationParams
+
+MAX_STOP = 16
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    code: int | str | None = None
+    param: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorInfo
+
+
+def error_body(message: str, status: int, type_: str | None = None, param: str | None = None) -> dict[str, Any]:
+    kind = type_ or ("invalid_request_error" if status < 500 else "server_error")
+    return ErrorBody(error=ErrorInfo(message=message, type=kind, code=status, param=param)).model_dump()
+
+
+class SpeculationOptions(BaseModel):
+    """Per-request speculation control: off, or a ceiling on the speculation length."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    max_sl: int | None = Field(default=None, ge=0, le=64)
+
+    def params(self) -> SpeculationParams:
+        return SpeculationParams(enabled=self.enabled, max_sl=self.max_sl)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1, le=1 << 20)  # -1 or 0: no top-k (vLLM's convention)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: Any = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    speculation: SpeculationOptions = Field(default_factory=SpeculationOptions)
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"only n=1 is supported, got n={v}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP or not all(stops):
+            raise ValueError(f"stop must be at most {MAX_STOP} non-empty strings")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: Any) -> Any:
+        if v not in (None, False, 0):
+            raise ValueError("logprobs are not supported")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float) -> float:
+        if v != 0:
+            raise ValueError("presence and frequency penalties are not supported (use 0)")
+        return v
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=max(0, self.top_k), seed=self.seed, stop=stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1, le=1 << 20)  # OpenAI's default for completions
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError(f"one prompt per request is supported, got {len(v)}")
+            return v[0]
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+
+class ContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
+
+    @model_validator(mode="after")
+    def _max_tokens_alias(self) -> ChatCompletionRequest:
+        if self.max_tokens is None and self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+    def chat(self) -> list[dict[str, str]]:
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]

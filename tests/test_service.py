@@ -1,0 +1,341 @@
+"""The service on a real Ray cluster (one per test session, started here and stopped at the end), driven with the
+real `openai` client over localhost: outputs equal dsde_core's in-process outputs at temperature 0, concurrent
+streams do not mix, user_config reconfigures live, bad input gets a documented 4xx, metrics are exported.
+
+Most tests use a tiny random-weight Qwen2 pair with the real Qwen tokenizer; one uses the real embedded pair."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dsde_core.config import EngineConfig, SamplingParams
+from dsde_core.llm import SpeculativeLLM
+from dsde_core.models.loader import load_model
+from services.metrics import METRICS, exported_name
+from tests.service_support import free_port, http_get, http_post, make_tiny_pair, start_ray, wait_for
+
+openai = pytest.importorskip("openai")
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+MODEL = "tiny"
+TINY_BATCH = 4
+TINY_SEQ_LEN = 512
+USER_CONFIG = {"policy": "dsde"}
+REQUEST_TIMEOUT = 300.0
+
+
+@dataclass
+class Cluster:
+    http_port: int
+    metrics_port: int
+
+
+@dataclass
+class App:
+    base: str  # http://127.0.0.1:PORT/prefix
+    args: dict[str, Any]
+    name: str
+    prefix: str
+
+    @property
+    def v1(self) -> str:
+        return f"{self.base}/v1"
+
+    def client(self) -> Any:
+        return openai.OpenAI(base_url=self.v1, api_key="unused", timeout=REQUEST_TIMEOUT, max_retries=0)
+
+    def async_client(self) -> Any:
+        return openai.AsyncOpenAI(base_url=self.v1, api_key="unused", timeout=REQUEST_TIMEOUT, max_retries=0)
+
+    def deploy(self, user_config: dict[str, Any]) -> None:
+        from services.app import build_app
+
+        serve.run(build_app({**self.args, "user_config": user_config}), name=self.name, route_prefix=self.prefix)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return make_tiny_pair(tmp_path_factory.mktemp("tiny-models"))
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Any:
+    cl = Cluster(http_port=free_port(), metrics_port=free_port())
+    start_ray(cl.metrics_port)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": cl.http_port})
+        yield cl
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_app(cluster: Cluster, tiny_models: tuple[Path, Path]) -> App:
+    target, draft = tiny_models
+    args = {"draft": str(draft), "target": str(target), "model_name": MODEL, "dtype": "float32",
+            "max_batch_size": TINY_BATCH, "max_seq_len": TINY_SEQ_LEN, "num_threads": 1,
+            "draft_num_cpus": 0, "target_num_cpus": 0}
+    app = App(f"http://127.0.0.1:{cluster.http_port}/tiny", args, "tiny", "/tiny")
+    app.deploy(USER_CONFIG)
+    return app
+
+
+@pytest.fixture(scope="session")
+def reference_llm(tiny_models: tuple[Path, Path]) -> SpeculativeLLM:
+    """dsde_core in-process on the same tiny models, target-only (policy off): the ground truth at temperature 0."""
+    target, draft = tiny_models
+    cfg = EngineConfig(max_batch_size=1, max_seq_len=TINY_SEQ_LEN, dtype="float32")
+    return SpeculativeLLM(load_model(str(target), torch.float32), load_model(str(draft), torch.float32), cfg,
+                          policy="off")
+
+
+def _reference(llm: SpeculativeLLM, prompt: str, max_tokens: int, chat: bool = False) -> str:
+    [res] = llm.generate([prompt], SamplingParams(max_tokens=max_tokens), policy="off", chat=chat)
+    return res.text
+
+
+PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import numpy as np\n", "Once upon a time",
+           "SELECT * FROM", "class Stack:", "Hello, world", "# TODO: write tests", "x = [i * i for i in",
+           "Dear colleague,", "fn main() {", "<html><body>", "Question: what is 2 + 2?", "1, 2, 3, 5, 8,",
+           "while True:", "The capital of France is"]
+
+
+# ---- the API --------------------------------------------------------------------------------------
+def test_completion_equals_in_process_output(tiny_app: App, reference_llm: SpeculativeLLM) -> None:
+    res = tiny_app.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0)
+    assert res.choices[0].text == _reference(reference_llm, PROMPTS[0], 24)
+    assert res.choices[0].finish_reason in ("length", "stop")
+    assert res.usage.prompt_tokens == len(reference_llm.encode(PROMPTS[0]))
+    assert res.usage.total_tokens == res.usage.prompt_tokens + res.usage.completion_tokens
+    spec = res.model_extra["speculation"]
+    assert spec["drafted"] > 0 and 0 <= spec["accepted"] <= spec["drafted"] and spec["mean_sl"] > 0
+
+
+def test_chat_completion_equals_in_process_output(tiny_app: App, reference_llm: SpeculativeLLM) -> None:
+    prompt = "Write a haiku about the sea."
+    res = tiny_app.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=20, temperature=0)
+    assert res.choices[0].message.role == "assistant"
+    assert res.choices[0].message.content == _reference(reference_llm, prompt, 20, chat=True)
+    assert res.usage.prompt_tokens == len(reference_llm.encode(prompt, chat=True))
+
+
+def test_streaming_completion_and_chat(tiny_app: App, reference_llm: SpeculativeLLM) -> None:
+    client = tiny_app.client()
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=30, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == _reference(reference_llm, PROMPTS[1], 30)
+    assert len([c for c in chunks if c.choices and c.choices[0].text]) > 1  # streamed, not one blob
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].model_extra["speculation"]["steps"] > 0
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+    prompt = "Explain recursion in one sentence."
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                            max_tokens=25, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == _reference(reference_llm, prompt, 25, chat=True)
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+
+def test_raw_sse_framing(tiny_app: App) -> None:
+    import httpx
+
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 5, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{tiny_app.v1}/completions", json=body, timeout=REQUEST_TIMEOUT) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    for e in events[:-1]:
+        assert json.loads(e.removeprefix("data: "))["object"] == "text_completion"
+
+
+def test_models_and_health(tiny_app: App) -> None:
+    status, body = http_get(f"{tiny_app.v1}/models")
+    assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == [MODEL]
+    assert [m.id for m in tiny_app.client().models.list()] == [MODEL]
+    status, body = http_get(f"{tiny_app.base}/health")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+
+
+def test_sixteen_concurrent_streams_each_equal_their_single_request_output(
+        tiny_app: App, reference_llm: SpeculativeLLM) -> None:
+    lengths = [4 + 3 * i for i in range(16)]  # 4..49 tokens; 16 requests through 4 KV slots
+
+    async def one(client: Any, prompt: str, n: int) -> tuple[str, str | None, int]:
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0,
+                                                 stream=True)
+        text, reason, chunks = "", None, 0
+        async for c in stream:
+            text += c.choices[0].text
+            reason = c.choices[0].finish_reason or reason
+            chunks += 1
+        return text, reason, chunks
+
+    async def main() -> list[tuple[str, str | None, int]]:
+        client = tiny_app.async_client()
+        try:
+            return await asyncio.wait_for(
+                asyncio.gather(*(one(client, p, n) for p, n in zip(PROMPTS, lengths, strict=True))), REQUEST_TIMEOUT)
+        finally:
+            await client.close()
+
+    results = asyncio.run(main())
+    for (text, reason, _), prompt, n in zip(results, PROMPTS, lengths, strict=True):
+        assert reason in ("length", "stop")
+        assert text == _reference(reference_llm, prompt, n), prompt
+
+
+def test_reconfigure_changes_the_policy_of_later_requests(tiny_app: App) -> None:
+    """A new user_config through serve.run. (serve.run gives every deployment a fresh code version, so Serve
+    restarts the replica here; `serve deploy` with only user_config changed applies it live, without reloading
+    the models: tests/test_service_deploy.py checks that.)"""
+    client = tiny_app.client()
+
+    def drafted(**extra: Any) -> dict[str, Any]:
+        res = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=20, temperature=0,
+                                        extra_body=extra or None)
+        return res.model_extra["speculation"]
+
+    assert drafted()["drafted"] > 0
+    try:
+        tiny_app.deploy({"policy": "off"})
+        wait_for(lambda: json.loads(http_get(f"{tiny_app.base}/health")[1])["policy"] == "off", 60,
+                 what="the new policy")
+        assert drafted()["drafted"] == 0
+        tiny_app.deploy({"policy": "static:3", "max_sl": 2})
+        wait_for(lambda: json.loads(http_get(f"{tiny_app.base}/health")[1])["policy"] == "static:3", 60,
+                 what="the new policy")
+        spec = drafted()
+        assert spec["drafted"] > 0 and spec["mean_sl"] <= 2
+        # per-request control in the body: speculation off for this request only
+        assert drafted(speculation={"enabled": False})["drafted"] == 0
+        assert drafted(speculation={"max_sl": 1})["mean_sl"] <= 1
+    finally:
+        tiny_app.deploy(USER_CONFIG)
+        wait_for(lambda: json.loads(http_get(f"{tiny_app.base}/health")[1])["policy"] == "dsde", 60,
+                 what="the policy restored")
+
+
+def test_a_client_that_hangs_up_cancels_its_request(tiny_app: App, cluster: Cluster) -> None:
+    import httpx
+
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": TINY_SEQ_LEN - 8, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{tiny_app.v1}/completions", json=body, timeout=REQUEST_TIMEOUT) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())  # one event, then hang up
+    wait_for(lambda: json.loads(http_get(f"{tiny_app.base}/health")[1])["running"] == 0, 60,
+             what="the engine to drop the request")
+
+    def cancelled() -> bool:
+        _, text = http_get(f"http://127.0.0.1:{cluster.metrics_port}/metrics")
+        return any(line.startswith("ray_dsde_requests_finished_total") and 'finished_reason="cancelled"' in line
+                   for line in text.splitlines())
+
+    wait_for(cancelled, 90, interval=1, what="a cancelled request in the metrics")
+    res = tiny_app.client().completions.create(model=MODEL, prompt="after", max_tokens=4, temperature=0)
+    assert res.usage.completion_tokens == 4
+
+
+BAD_REQUESTS = [
+    ("completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n=1"),
+    ("completions", {"model": "no-such-model", "prompt": "hi"}, 404, "no-such-model"),
+    ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("completions", {"model": MODEL, "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("completions", {"model": MODEL}, 400, "prompt"),
+    ("completions", {"model": MODEL, "prompt": ""}, 400, "empty"),
+    ("completions", {"model": MODEL, "prompt": [1, 2, 10**7]}, 400, "token ids"),
+    ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": TINY_SEQ_LEN}, 400, str(TINY_SEQ_LEN)),
+    ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"max_sl": 100}}, 400, "max_sl"),
+    ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"bogus": 1}}, 400, "bogus"),
+    ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("completions", {"model": MODEL, "prompt": "hi", "stream": True, "max_tokens": 10**6}, 400, "context window"),
+    ("chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user"}], "max_tokens": 2000}, 400, "2000"),
+    ("chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, 404, "gpt-4"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "status", "word"), BAD_REQUESTS,
+                         ids=[f"{r}-{i}" for i, (r, *_) in enumerate(BAD_REQUESTS)])
+def test_bad_input_gets_an_openai_style_4xx(tiny_app: App, route: str, body: dict, status: int, word: str) -> None:
+    code, err = http_post(f"{tiny_app.v1}/{route}", body)
+    assert code == status, err
+    assert set(err["error"]) >= {"message", "type", "code"} and err["error"]["code"] == status
+    assert word in err["error"]["message"], err
+    assert "Traceback" not in err["error"]["message"]
+
+
+def test_malformed_json_and_unknown_route(tiny_app: App) -> None:
+    code, err = http_post(f"{tiny_app.v1}/completions", None, raw=b"{not json")
+    assert code == 400 and err["error"]["type"] == "invalid_request_error"
+    code, body = http_get(f"{tiny_app.v1}/nothing-here")
+    assert code == 404 and json.loads(body)["error"]["code"] == 404
+    with pytest.raises(openai.NotFoundError):
+        tiny_app.client().completions.create(model="other", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        tiny_app.client().completions.create(model=MODEL, prompt="x", max_tokens=2, n=3)
+
+
+def test_metrics_are_exported_with_the_documented_names(tiny_app: App, cluster: Cluster) -> None:
+    client = tiny_app.client()
+    client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=60, temperature=0)  # past DSDE's warm-up
+    client.completions.create(model=MODEL, prompt="hi", max_tokens=4, extra_body={"speculation": {"enabled": False}})
+    http_post(f"{tiny_app.v1}/completions", {"model": MODEL, "prompt": "hi", "n": 2})  # an error to count
+    expected = {exported_name(name, kind) + ("_bucket" if kind == "histogram" else "")
+                for name, kind, *_ in METRICS}
+
+    seen: set[str] = set()  # union over scrapes: a gauge not refreshed for two report intervals drops out
+
+    def missing() -> set[str]:
+        _, text = http_get(f"http://127.0.0.1:{cluster.metrics_port}/metrics")
+        seen.update(line.split("{")[0] for line in text.splitlines() if f'model="{MODEL}"' in line)
+        return expected - seen
+
+    try:
+        wait_for(lambda: not missing(), 120, interval=1, what="the dsde metrics")
+    except AssertionError:
+        pytest.fail(f"metrics never exported: {sorted(missing())}; found {sorted(seen)}")
+
+
+# ---- the real pair ------------------------------------------------------------------------------------
+@pytest.mark.real_models
+def test_real_pair_streams_a_chat_answer(cluster: Cluster) -> None:
+    from services.app import build_app
+
+    t0 = time.perf_counter()
+    serve.run(build_app({"max_batch_size": 2, "max_seq_len": 1024, "draft_num_cpus": 0, "target_num_cpus": 0,
+                         "model_name": "dsde"}), name="real", route_prefix="/real")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.http_port}/real/v1", api_key="unused",
+                           timeout=REQUEST_TIMEOUT, max_retries=0)
+    try:
+        messages = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+        chunks = list(client.chat.completions.create(model="dsde", messages=messages, max_tokens=16, temperature=0,
+                                                     stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        final = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert len(text) > 10 and final
+        spec = final[0].model_extra["speculation"]
+        assert spec["drafted"] > 0 and spec["accepted"] > 0
+        again = client.chat.completions.create(model="dsde", messages=messages, max_tokens=16, temperature=0)
+        assert again.choices[0].message.content == text  # greedy: streaming and not streaming agree
+    finally:
+        serve.delete("real")
+    print(f"real pair through the service: {time.perf_counter() - t0:.0f}s")

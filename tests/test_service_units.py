@@ -1,0 +1,188 @@
+"""The service's pieces without a Ray cluster: configs, the policy controller (in-process, under dsde_core's own
+engine), request validation, response shapes, and the README's metrics table."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from dsde_core.config import SamplingParams
+from dsde_core.errors import ConfigError
+from dsde_core.policies import CappedPolicy, DSDEPolicy, SeqInfo, StaticPolicy
+from services.config import PolicyConfig, ServiceConfig, build_policy
+from services.controller import Controller
+from services.metrics import METRICS, exported_name
+from services.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from services.responses import Reply
+from tests.tiny import random_prompts, tiny_engine
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- configs ----------------------------------------------------------------------------------------
+def test_service_config_defaults_and_errors() -> None:
+    cfg = ServiceConfig()
+    assert cfg.draft and cfg.target and cfg.served_name == cfg.target
+    assert ServiceConfig(target="/models/my-model/", draft="none").served_name == "my-model"
+    assert ServiceConfig(draft="none").draft is None
+    for bad, word in [({"max_batch_size": 0}, "max_batch_size"), ({"dtype": "int8"}, "dtype"),
+                      ({"policy": "bogus"}, "bogus"), ({"target_num_gpus": -1}, "target_num_gpus"),
+                      ({"device": "tpu"}, "device"), ({"nonsense": 1}, "nonsense")]:
+        with pytest.raises(ConfigError, match=word):
+            ServiceConfig.from_args(bad)
+
+
+def test_policy_config_builds_policies_with_params_and_cap() -> None:
+    p = build_policy(PolicyConfig())
+    assert isinstance(p, CappedPolicy) and isinstance(p.inner, DSDEPolicy)
+    assert not isinstance(build_policy(PolicyConfig(policy="dsde", cap=False)), CappedPolicy)
+    assert isinstance(build_policy(PolicyConfig(policy="dsde-nocap", cap=True)), CappedPolicy)
+    p = build_policy(PolicyConfig(policy="dsde", params={"c": 0.25, "min_spec": 3}))
+    assert p.inner.config.c == 0.25 and p.inner.config.min_spec == 3 and p.inner.config.min_sl == 3
+    assert build_policy(PolicyConfig(policy="dsde-paper", params={"window": 12})).inner.config.delta == 0.85
+    p = build_policy(PolicyConfig(policy="static:3"))
+    assert isinstance(p, StaticPolicy) and p.config.k == 3
+    assert build_policy(PolicyConfig(policy="static:3", params={"k": 6})).config.k == 6
+    for bad, word in [({"policy": "off", "params": {"k": 1}}, "takes no params"),
+                      ({"policy": "dsde", "params": {"bogus": 1}}, "bogus"),
+                      ({"policy": "dsde", "params": {"delta": 7}}, "delta"),
+                      ({"policy": "nope"}, "nope"), ({"max_sl": 99}, "max_sl"), ({"cap": "yes"}, "cap"),
+                      ({"polcy": "dsde"}, "polcy")]:
+        with pytest.raises(ConfigError, match=word):
+            PolicyConfig.from_dict(bad)
+
+
+# ---- the controller --------------------------------------------------------------------------------
+def test_controller_under_the_engine_is_lossless_and_frees_everything() -> None:
+    """The controller is a full policy: dsde_core's engine runs it in-process exactly like a local policy."""
+    prompts = random_prompts(6, seed=5)
+    reference = tiny_engine("off", batch=1, with_draft=False)
+    ref = []
+    for p in prompts:
+        r = reference.add_request(p, SamplingParams(max_tokens=20))
+        reference.run()
+        ref.append(r.output_ids)
+    engine = tiny_engine(Controller(PolicyConfig(policy="dsde")), batch=3)
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=20)) for p in prompts]
+    engine.run()
+    assert [r.output_ids for r in reqs] == ref
+    assert sum(r.stats.drafted for r in reqs) > 0
+    assert engine.policy.num_tracked() == 0 and engine.policy.describe()["generations"] == 1
+
+
+def test_controller_reconfigure_applies_to_later_requests_only() -> None:
+    engine = tiny_engine(Controller(PolicyConfig(policy="static:4")), batch=4)
+    ctrl: Controller = engine.policy
+    prompts = random_prompts(3, seed=9)
+    early = engine.add_request(prompts[0], SamplingParams(max_tokens=30))
+    engine.step()  # `early` is bound to generation 0 (static:4)
+    ctrl.reconfigure(PolicyConfig(policy="off"))
+    late = engine.add_request(prompts[1], SamplingParams(max_tokens=30))
+    engine.run()
+    assert early.stats.drafted > 0 and max(early.stats.sl) == 4
+    assert late.stats.drafted == 0
+    assert ctrl.describe()["generations"] == 1 and ctrl.num_tracked() == 0  # the old generation was dropped
+    ctrl.reconfigure(PolicyConfig(policy="static:5", max_sl=2))
+    capped = engine.add_request(prompts[2], SamplingParams(max_tokens=30))
+    engine.run()
+    assert max(capped.stats.sl) == 2
+
+
+def test_controller_telemetry_reports_cap_and_wvir() -> None:
+    ctrl = Controller(PolicyConfig(policy="dsde"))
+    engine = tiny_engine(ctrl, batch=2)
+    seen = []
+    original = ctrl.observe
+    ctrl.observe = lambda fb: seen.append(original(fb)) or seen[-1]
+    for p in random_prompts(2, seed=4):
+        engine.add_request(p, SamplingParams(max_tokens=80))
+    engine.run()
+    assert any(t.wvir for t in seen)  # after warm-up (30 KLDs) DSDE has a WVIR per step
+    assert any(t.cap is not None for t in seen)
+    assert all(t.policy == "dsde" for t in seen)
+
+
+def test_controller_plans_respect_max_k() -> None:
+    ctrl = Controller(PolicyConfig(policy="static:6"))
+    plans = ctrl.plan([SeqInfo("a", 0.0, 2), SeqInfo("b", 0.0, 9)])
+    assert [p.k for p in plans] == [2, 6]
+
+
+# ---- transport ------------------------------------------------------------------------------------------
+def test_packed_proposals_carry_exactly_the_same_values() -> None:
+    import torch
+
+    from dsde_core.workers import DraftTask
+    from services.transport import pack, unpack
+
+    engine = tiny_engine("static:4", batch=2)
+    for slot in range(2):
+        engine.draft.open(slot, SamplingParams(temperature=0.7, seed=slot))
+        engine.target.open(slot, SamplingParams(temperature=0.7, seed=slot))
+    props = engine.draft.propose([DraftTask(0, random_prompts(1, seed=2)[0], 4), DraftTask(1, [5, 6], 0)])
+    for p in props:
+        q = unpack(pack(p))
+        assert q.slot == p.slot and q.tokens == p.tokens and len(q.dists) == len(p.dists)
+        for a, b in zip(p.dists, q.dists, strict=True):
+            assert torch.equal(a.ids, b.ids) and torch.equal(a.q_sample, b.q_sample)
+            assert torch.equal(a.q_signal, b.q_signal) and a.entropy == b.entropy
+    assert props[0].dists and not props[1].dists
+
+
+# ---- protocol ---------------------------------------------------------------------------------------
+def test_request_models_bound_their_fields() -> None:
+    ok = CompletionRequest(model="m", prompt="hi", temperature=0, stop="x", top_k=-1)
+    assert ok.sampling(5) == SamplingParams(max_tokens=5, temperature=0.0, stop=("x",))
+    assert CompletionRequest(model="m", prompt=["only one"]).prompt == "only one"
+    assert CompletionRequest(model="m", prompt=[[1, 2, 3]]).prompt == [1, 2, 3]
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+                                 max_completion_tokens=7)
+    assert chat.max_tokens == 7 and chat.chat() == [{"role": "user", "content": "a"}]
+    for bad in [dict(n=2), dict(temperature=2.5), dict(top_p=0), dict(max_tokens=0), dict(prompt=["a", "b"]),
+                dict(logprobs=3), dict(presence_penalty=1.0), dict(speculation={"max_sl": 65}),
+                dict(speculation={"policy": "x"}), dict(stop=[""]), dict(seed=-1), dict(echo=True)]:
+        with pytest.raises(ValidationError):
+            CompletionRequest(**{"model": "m", "prompt": "hi", **bad})
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(model="m", messages=[])
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(model="m", messages=[{"role": "wizard", "content": "x"}])
+
+
+def test_response_shapes() -> None:
+    reply = Reply("m", chat=True, prompt_tokens=3)
+    reply.completion_tokens = 2
+    body = reply.body("hi", "stop", None)
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == "hi"
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert reply.chunk("", role=True)["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert error_body("bad", 400)["error"] == {"message": "bad", "type": "invalid_request_error", "code": 400,
+                                               "param": None}
+
+
+# ---- the command --------------------------------------------------------------------------------------
+def test_dsde_serve_rejects_bad_arguments_before_starting_ray(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    from dsde_cli.main import main
+
+    assert main(["serve", "--policy", "bogus"]) == 2
+    assert "bogus" in capsys.readouterr().err
+    assert main(["serve", "--max-batch-size", "0"]) == 2
+    assert "max_batch_size" in capsys.readouterr().err
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert main(["serve", "--port", str(s.getsockname()[1])]) == 2
+    assert "already in use" in capsys.readouterr().err
+
+
+# ---- documentation ----------------------------------------------------------------------------------
+def test_readme_documents_every_metric() -> None:
+    readme = (ROOT / "README.md").read_text()
+    table = {m.group(1) for m in re.finditer(r"^\| `(ray_dsde_[a-z0-9_]+)`", readme, re.M)}
+    exported = {exported_name(name, kind) for name, kind, *_ in METRICS}
+    assert exported == table, (exported - table, table - exported)
