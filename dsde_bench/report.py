@@ -3,8 +3,9 @@
     python -m dsde_bench report [--results results] [--out BENCHMARKS.md]
 
 Reads (each optional): results/bench.json (`dsde bench`), results/simulate.json (`dsde bench --simulate`),
-results/serve.json (`dsde bench --url ...`), results/perf.json (benchmarks/perf.py) and
-results/kld_fidelity.json (benchmarks/kld_fidelity.py). The reading of the figures is templated from the numbers.
+results/serve.json (`dsde bench --url ...`), results/goodput*.json (engine runs of dsde-goodput, issue 7),
+results/perf.json (benchmarks/perf.py) and results/kld_fidelity.json (benchmarks/kld_fidelity.py).
+The reading of the figures is templated from the numbers.
 """
 
 from __future__ import annotations
@@ -491,6 +492,10 @@ def render(results_dir: str | Path = "results", page_dir: str | Path = ".") -> s
         parts.append(simulate_section(sim))
     if serve:
         parts.append(serve_section(serve))
+    from dsde_bench import goodput_report  # imports this module's helpers
+
+    goodput = {p.stem: doc for p in sorted(d.glob("goodput*.json")) if (doc := load(p))}
+    parts.append(goodput_report.section(goodput, sim))
     if perf:
         parts.append(perf_section(perf))
     if kld:

@@ -35,6 +35,12 @@ def _add_serve(sub: Any) -> None:
     s.add_argument("--num-cpus", type=int, default=None, help="Ray's logical CPUs (default: the machine's)")
     s.add_argument("--worker-niceness", type=int, default=0,
                    help="nice level of Ray's workers, the model actors included (default 0; Ray's own default is 15)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: $DSDE_API_KEY)")
+    s.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait for a KV slot; more get 429 with Retry-After (default 64)")
+    s.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds before an unfinished request ends with 504 (default 600)")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -47,7 +53,10 @@ def _serve(args: argparse.Namespace) -> int:
     app_args = {"draft": args.draft, "target": args.target, "model_name": args.model_name, "policy": args.policy,
                 "dtype": args.dtype, "device": args.device, "max_batch_size": args.max_batch_size,
                 "max_seq_len": args.max_seq_len, "num_threads": args.threads,
-                "draft_num_gpus": args.num_gpus, "target_num_gpus": args.num_gpus}
+                "draft_num_gpus": args.num_gpus, "target_num_gpus": args.num_gpus, "max_queue": args.max_queue,
+                "request_timeout_s": args.request_timeout}
+    if args.api_key:
+        app_args["api_key"] = args.api_key
     opts = LocalServe(app_args, host=args.host, port=args.port, num_cpus=args.num_cpus,
                       metrics_port=args.metrics_port or None, worker_niceness=args.worker_niceness)
     return serve_forever(opts, log=lambda msg: print(msg, flush=True))

@@ -11,13 +11,14 @@ all of its state at the start of the next step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import traceback
 from collections.abc import AsyncIterator, Sequence
 
 from dsde_core.config import SamplingParams, SpeculationParams
 from dsde_core.engine import Engine
-from dsde_core.request import RequestOutput
+from dsde_core.request import Request, RequestOutput
 
 
 class AsyncEngine:
@@ -52,7 +53,8 @@ class AsyncEngine:
             if not self.engine.has_unfinished():
                 self._wake.wait(self.idle_wait_s)
                 self._wake.clear()
-                continue
+                if not self.engine.recovering:
+                    continue  # idle; with a worker down, an idle step still probes it (and sends deferred releases)
             try:
                 self.engine.step()
             except Exception as e:  # a failed step ends every request in it with an error, never a hang
@@ -67,11 +69,33 @@ class AsyncEngine:
         req_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs as they are accepted; the last one has finished=True."""
+        outputs = self.submit(prompt_ids, params, spec, req_id)
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                yield out
+
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        spec: SpeculationParams | None = None,
+        req_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Like generate, but the request joins the engine's queue now, before the first output is awaited (a
+        server counts it against its queue bound at once). Whoever never iterates the result must cancel(req_id)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         req = self.engine.add_request(prompt_ids, params, spec, req_id,
                                       on_output=lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
         self._wake.set()
+        return self._outputs(req, queue)
+
+    def cancel(self, req_id: str) -> None:
+        """Cancel a request (a no-op for one that has finished); it is freed at the start of the next step."""
+        self.engine.cancel(req_id)
+        self._wake.set()
+
+    async def _outputs(self, req: Request, queue: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
         try:
             while True:
                 out = await queue.get()
@@ -80,5 +104,4 @@ class AsyncEngine:
                     return
         finally:
             if not req.finished:
-                self.engine.cancel(req.req_id)
-                self._wake.set()
+                self.cancel(req.req_id)

@@ -76,6 +76,8 @@ class EngineConfig:
     draft_max_lag: int = 32  # otherwise: a k = 0 sequence's draft cache catches up once it lags this many tokens
     draft_logit_noise: float = 0.0  # experiments only: Gaussian noise (std, in logits) makes a deliberately weak draft
     extra_eos_ids: tuple[int, ...] = field(default=())
+    worker_wait_s: float = 60.0  # how long requests wait for a failed target to come back before they end in an error
+    worker_probe_s: float = 0.2  # how often a failed worker (target, draft, policy host) is asked whether it is back
 
     def __post_init__(self) -> None:
         _check(1 <= self.max_batch_size <= 1024, f"max_batch_size must be in [1, 1024], got {self.max_batch_size}")
@@ -90,6 +92,8 @@ class EngineConfig:
         _check(self.draft_max_lag >= 2, f"draft_max_lag must be >= 2, got {self.draft_max_lag}")
         _check(self.draft_logit_noise >= 0, f"draft_logit_noise must be >= 0, got {self.draft_logit_noise}")
         _check(self.num_threads is None or self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")
+        _check(0 < self.worker_wait_s <= 86400, f"worker_wait_s must be in (0, 86400], got {self.worker_wait_s}")
+        _check(0 < self.worker_probe_s <= 60, f"worker_probe_s must be in (0, 60], got {self.worker_probe_s}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

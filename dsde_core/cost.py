@@ -55,19 +55,32 @@ class CostPrior:
 
 
 class _RLS:
-    """Recursive least squares y ~ x . theta with exponential forgetting."""
+    """Recursive least squares y ~ x . theta with exponential forgetting.
+
+    Forgetting divides the covariance by lambda every update; in a direction the features never vary in (a steady
+    batch size, k_i all equal) nothing shrinks it again, so it would grow as lambda^-n ("covariance windup") and
+    overflow after ~10^4 steps. Its eigenvalues are therefore capped at `windup` times the prior's largest variance
+    (which keeps it symmetric positive semi-definite and leaves the excited directions alone), and an update that
+    is not finite is dropped."""
 
     def __init__(self, theta: Sequence[float], scale: Sequence[float], weight: float, forgetting: float) -> None:
         self.theta = np.asarray(theta, dtype=np.float64)
         self.p = np.diag((np.asarray(scale, dtype=np.float64)) ** 2 / weight)  # prior covariance
+        self.max_var = 100.0 * float(np.max(np.diag(self.p)))  # windup cap
         self.lam = forgetting
 
     def update(self, x: Sequence[float], y: float) -> None:
         x = np.asarray(x, dtype=np.float64)
         px = self.p @ x
         gain = px / (self.lam + x @ px)
-        self.theta = self.theta + gain * (y - x @ self.theta)
-        self.p = (self.p - np.outer(gain, px)) / self.lam
+        theta = self.theta + gain * (y - x @ self.theta)
+        p = (self.p - np.outer(gain, px)) / self.lam
+        if not (np.all(np.isfinite(theta)) and np.all(np.isfinite(p))):
+            return
+        if np.max(np.diag(p)) > self.max_var:  # only then: an eigendecomposition (3x3) per update is not needed
+            w, v = np.linalg.eigh((p + p.T) / 2)
+            p = (v * np.minimum(w, self.max_var)) @ v.T
+        self.theta, self.p = theta, p
 
 
 class OnlineCostModel:

@@ -19,8 +19,9 @@ from typing import Any, Protocol
 from dsde_core.config import EngineConfig, SamplingParams, SpeculationParams
 from dsde_core.cost import OnlineCostModel
 from dsde_core.detokenize import TextStream
-from dsde_core.errors import ConfigError
+from dsde_core.errors import ConfigError, WorkerUnavailable
 from dsde_core.policies import Plan, SeqInfo, SpeculationPolicy, StepFeedback
+from dsde_core.recovery import ROLES, WorkerHealth, is_available
 from dsde_core.request import Request, RequestOutput
 from dsde_core.workers import DraftTask, Proposal, Verdict, VerifyTask
 
@@ -73,6 +74,8 @@ class Engine:
         self.costs = OnlineCostModel()  # learnt from this engine's decode steps; cost-aware policies plan with it
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()  # add_request / cancel may come from other threads
+        self.health = {role: WorkerHealth(role) for role in ROLES}  # see dsde_core.recovery and _recover
+        self.recovery_hooks: list[Callable[[str], None]] = []  # called with the role when a failed party is back
         self._ids = itertools.count()
 
     # ---- requests in and out ------------------------------------------------------------------------
@@ -122,18 +125,27 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         outputs = self._apply_cancellations()  # cancelled requests are freed here, before any work
+        outputs += self._recover()  # failed workers that are back get their state again; see dsde_core.recovery
         self._admit()
-        if not self.running:
+        if not self.running or self.health["target"].down:
             return outputs
-        plans = self._plan()
+        plans = self._plan_or_fallback()
         prefill = any(r.synced_target == 0 for r in self.running)  # a prompt is fed: not a decode step's cost
         t1 = time.perf_counter()
         proposals = self._propose(plans)
         t2 = time.perf_counter()
-        verdicts = self.target.verify([self._verify_task(r, proposals.get(r.req_id)) for r in self.running])
+        try:
+            verdicts = self.target.verify([self._verify_task(r, proposals.get(r.req_id)) for r in self.running])
+        except WorkerUnavailable as e:  # nothing was committed: the step is lost, the requests wait for the target
+            self._failed("target", e)
+            return outputs
         t3 = time.perf_counter()
-        self.policy.observe([self._feedback(r, plans[r.req_id], proposals.get(r.req_id), v)
-                             for r, v in zip(self.running, verdicts, strict=True)])
+        if not self.health["policy"].down:
+            try:
+                self.policy.observe([self._feedback(r, plans[r.req_id], proposals.get(r.req_id), v)
+                                     for r, v in zip(self.running, verdicts, strict=True)])
+            except WorkerUnavailable as e:
+                self._failed("policy", e)
         ks = [len(v.kld) for v in verdicts]  # tokens proposed per sequence, 0 included
         if not prefill:
             self.costs.observe(ks, t2 - t1, t3 - t2)
@@ -153,14 +165,14 @@ class Engine:
 
     def _max_k(self, r: Request) -> int:
         """Ceiling on k: no draft, speculation off, global and per-request max SL, tokens left to generate."""
-        if self.draft is None or not r.spec.enabled:
+        if self.draft is None or not r.spec.enabled or self.health["draft"].down:
             return 0
         per_request = r.spec.max_sl if r.spec.max_sl is not None else self.config.max_sl
         # a step emits up to k + 1 tokens; never draft past max_tokens
         return max(0, min(self.config.max_sl, per_request, r.remaining() - 1))
 
     def _propose(self, plans: dict[str, Plan]) -> dict[str, Proposal]:
-        if self.draft is None:
+        if self.draft is None or self.health["draft"].down:
             return {}
         tasks, reqs = [], []
         drafting = any(p.k > 0 for p in plans.values())
@@ -177,7 +189,11 @@ class Engine:
                 r.synced_draft = r.num_tokens
         if not tasks:
             return {}
-        proposals = self.draft.propose(tasks)
+        try:
+            proposals = self.draft.propose(tasks)
+        except WorkerUnavailable as e:  # this step and the next ones go on target-only until the draft is back
+            self._failed("draft", e)
+            return {}
         return {r.req_id: p for r, p in zip(reqs, proposals, strict=True) if p.tokens}
 
     def _verify_task(self, r: Request, proposal: Proposal | None) -> VerifyTask:
@@ -188,8 +204,9 @@ class Engine:
     @staticmethod
     def _feedback(r: Request, plan: Plan, prop: Proposal | None, v: Verdict) -> StepFeedback:
         dists = prop.dists if prop else []
+        entropy = tuple(d.entropy for d in dists)  # computed by the draft only where a confidence stop needs it
         return StepFeedback(r.req_id, plan.k, len(dists), v.accepted, tuple(v.kld),
-                            tuple(d.entropy for d in dists))
+                            entropy if all(h == h for h in entropy) else ())
 
     def _commit(self, r: Request, v: Verdict) -> RequestOutput:
         now = time.perf_counter()
@@ -227,14 +244,14 @@ class Engine:
 
     # ---- admission and release ------------------------------------------------------------------------
     def _admit(self) -> None:
-        while self.waiting and self.free_slots:
+        while self.waiting and self.free_slots and not self.health["target"].down:
             with self._lock:
                 r = self.waiting.popleft()
             r.slot = self.free_slots.pop()
-            self.target.open(r.slot, r.params)
+            self.running.append(r)  # running before its slot opens: a failed open is redone by _recover
+            self._open("target", self.target, r)
             if self.draft is not None:
-                self.draft.open(r.slot, r.params)
-            self.running.append(r)
+                self._open("draft", self.draft, r)
 
     def _apply_cancellations(self) -> list[RequestOutput]:
         with self._lock:
@@ -257,26 +274,124 @@ class Engine:
         with self._lock:
             reqs = list(self.waiting) + list(self.running)
             self.waiting.clear()
-        outputs = []
-        for r in reqs:
-            r.finish_reason, r.error = "error", error
-            r.stats.finish = time.perf_counter()
-            outputs.append(self._emit(RequestOutput(r.req_id, [], "", True, "error", error, r.stats), r))
-            self.requests.pop(r.req_id, None)
-            self._free(r)
-        return outputs
+        return [self._fail(r, error) for r in reqs]
+
+    def _fail(self, r: Request, error: str, error_type: str | None = None) -> RequestOutput:
+        """End one request with an error and free its state (its caller has taken it off the waiting queue)."""
+        r.finish_reason, r.error = "error", error
+        r.stats.finish = time.perf_counter()
+        out = self._emit(RequestOutput(r.req_id, [], "", True, "error", error, r.stats, error_type), r)
+        self.requests.pop(r.req_id, None)
+        self._free(r)
+        return out
 
     def _free(self, r: Request) -> None:
         """Release the slot and every piece of per-request state: engine, both workers, policy."""
         if r in self.running:
             self.running.remove(r)
         if r.slot is not None:
-            self.target.release(r.slot)
+            self._release("target", self.target, r.slot)
             if self.draft is not None:
-                self.draft.release(r.slot)
+                self._release("draft", self.draft, r.slot)
             self.free_slots.append(r.slot)
             r.slot = None
-        self.policy.release(r.req_id)
+        self._release("policy", self.policy, r.req_id)
+
+    # ---- failure and recovery (dsde_core.recovery) -------------------------------------------------------
+    def _plan_or_fallback(self) -> dict[str, Plan]:
+        """The policy's plans; k = 0 for every sequence (a target-only step) while the policy host is down."""
+        if not self.health["policy"].down:
+            try:
+                return self._plan()
+            except WorkerUnavailable as e:
+                self._failed("policy", e)
+        return {r.req_id: Plan(0) for r in self.running}
+
+    def _open(self, role: str, worker: DraftAPI | TargetAPI, r: Request) -> None:
+        if self.health[role].down:
+            return  # opened by _recover when the worker is back
+        try:
+            worker.open(r.slot, r.params)
+        except WorkerUnavailable as e:
+            self._failed(role, e)
+
+    def _release(self, role: str, party: Any, key: int | str) -> None:
+        """Release a slot (a request id for the policy); deferred to _recover while the party is down."""
+        h = self.health[role]
+        if not h.down:
+            try:
+                party.release(key)
+                return
+            except WorkerUnavailable as e:
+                self._failed(role, e)
+        h.pending.add(key)
+
+    def _failed(self, role: str, error: Exception) -> None:
+        """A call to `role` raised WorkerUnavailable: go on without it; its state is rebuilt when it is back."""
+        self.health[role].mark_down(time.perf_counter(), str(error))
+        for r in self.running:  # what it was told is lost: resync from scratch (prompt + committed tokens)
+            if role == "draft":
+                r.synced_draft = 0
+            elif role == "target":
+                r.synced_target = 0
+
+    def _recover(self) -> list[RequestOutput]:
+        """Probe each party that is down (every worker_probe_s); when one answers, send its deferred releases,
+        open every running slot on it again and resync it from the committed tokens. While the target is down,
+        end the requests that have waited worker_wait_s for it."""
+        now = time.perf_counter()
+        for role, h in self.health.items():
+            if not h.down or now < h.next_probe:
+                continue
+            h.next_probe = now + self.config.worker_probe_s
+            party = {"target": self.target, "draft": self.draft, "policy": self.policy}[role]
+            try:
+                if party is None or not is_available(party):
+                    continue
+                for key in sorted(h.pending, key=str):
+                    party.release(key)
+                if role != "policy":  # a restarted policy rebuilds per-request state on its next plan
+                    for r in self.running:
+                        party.open(r.slot, r.params)
+                        if role == "draft":
+                            r.synced_draft = 0
+                        else:
+                            r.synced_target = 0
+            except WorkerUnavailable as e:
+                h.last_error = str(e)
+                continue
+            h.mark_up()
+            for hook in self.recovery_hooks:
+                hook(role)
+        target = self.health["target"]
+        if not target.down:
+            return []
+        outputs = []
+        with self._lock:
+            waiting = list(self.waiting)
+        for r in waiting + list(self.running):
+            if now - max(target.down_since, r.stats.arrival) >= self.config.worker_wait_s:
+                with self._lock:
+                    if r in self.waiting:
+                        self.waiting.remove(r)
+                outputs.append(self._fail(r, f"the target worker failed and did not come back within "
+                                             f"{self.config.worker_wait_s:g}s ({target.last_error})", "unavailable"))
+        if self.running or self.waiting:
+            time.sleep(min(0.05, self.config.worker_probe_s))  # nothing can run until the target is back
+        return outputs
+
+    @property
+    def recovering(self) -> bool:
+        """A worker or the policy is down: step() probes it even with no request (AsyncEngine does, when idle)."""
+        return any(h.down for h in self.health.values())
+
+    def state(self) -> dict[str, Any]:
+        """Counts of per-request state held by the engine, and each party's health (a server's debug view)."""
+        with self._lock:
+            waiting, cancelling = len(self.waiting), len(self._cancelled)
+        return {"running": len(self.running), "waiting": waiting, "requests": len(self.requests),
+                "slots_in_use": self.config.max_batch_size - len(self.free_slots), "cancelling": cancelling,
+                "workers": {role: h.as_dict() for role, h in self.health.items() if role != "draft" or self.draft}}
 
     # ---- convenience --------------------------------------------------------------------------------
     def run(self) -> None:

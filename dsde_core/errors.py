@@ -27,3 +27,22 @@ class UnsupportedArchitectureError(ModelLoadError):
 
 class VocabularyMismatchError(ModelLoadError):
     """Draft and target do not share a vocabulary."""
+
+
+class WorkerUnavailable(DSDEError):
+    """A worker (the draft, the target) or the policy host could not be reached: it died, is restarting, or came
+    back without its state. The engine recovers instead of failing requests: without the draft it decodes
+    target-only, without the target it waits (up to EngineConfig.worker_wait_s) and re-prefills, without the
+    policy it plans k = 0; once the worker answers again, its per-request state is rebuilt from the committed
+    tokens (see Engine._recover)."""
+
+    def __init__(self, role: str, message: str) -> None:
+        super().__init__(f"the {role} is unavailable: {message}")
+        self.role = role
+
+    def __reduce__(self) -> tuple:  # picklable across processes with its two arguments
+        return (type(self), (self.role, str(self).removeprefix(f"the {self.role} is unavailable: ")))
+
+
+class WorkerStateLost(WorkerUnavailable):
+    """The worker answered but holds no state for a slot the engine opened on it: it was restarted."""

@@ -93,6 +93,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     error: str | None = None
     stats: RequestStats | None = None  # set on the last output of a request
+    error_type: str | None = None  # with an error: "unavailable" (a worker did not come back in time) or None
 
 
 @dataclass

@@ -38,6 +38,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
         probs = torch.softmax(sorted_logits, dim=-1)
         # drop a token when the mass strictly before it already reaches top_p (the first token always stays)
         drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop_sorted[..., 0] = False  # also when top_p rounds to 0 in the logits' dtype (a top_p of 1e-300)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
@@ -56,16 +57,19 @@ class DraftDist:
     ids: torch.Tensor  # [K] int64: the draft's top-K tokens by logit
     q_sample: torch.Tensor  # [K]: the distribution the draft sampled from (top-K-truncated, processed), sums to 1
     q_signal: torch.Tensor  # [K]: untruncated probabilities at the signal temperature (rest mass = 1 - sum)
-    entropy: float  # nats, full draft distribution at the signal temperature
+    entropy: float  # nats, full draft distribution at the signal temperature (nan when not computed)
 
 
-def draft_dist(logits: torch.Tensor, params: SamplingParams, top_k: int) -> DraftDist:
-    """logits [V] fp32 of one draft position -> its sparse distribution (what crosses to the target)."""
+def draft_dist(logits: torch.Tensor, params: SamplingParams, top_k: int, with_entropy: bool = True) -> DraftDist:
+    """logits [V] fp32 of one draft position -> its sparse distribution (what crosses to the target).
+    One logsumexp pass over V gives q_signal; the entropy (a second pass) only when asked for."""
     t_sig = signal_temperature(params)
     top_logits, ids = torch.topk(logits, min(top_k, logits.shape[-1]))  # [K]
-    logp_full = torch.log_softmax(logits / t_sig, dim=-1)  # [V]
-    entropy = float(-(logp_full.exp() * logp_full).sum())
-    q_signal = logp_full[ids].exp()  # [K], untruncated: the rest bin holds 1 - sum
+    z = logits if t_sig == 1.0 else logits / t_sig  # [V]
+    lse = torch.logsumexp(z, dim=-1)
+    q_signal = (top_logits / t_sig - lse).exp()  # [K], untruncated: the rest bin holds 1 - sum
+    # H = -sum p log p = lse - sum p z, with p = softmax(z)
+    entropy = float(lse - torch.dot(torch.softmax(z, dim=-1), z)) if with_entropy else float("nan")
     if params.greedy:
         q_sample = torch.zeros_like(top_logits)
         q_sample[0] = 1.0  # greedy draft: one-hot on its argmax

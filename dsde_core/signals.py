@@ -62,9 +62,15 @@ def sparse_kld(p_full: Tensor, q_ids: Tensor, q_probs: Tensor, eps: float = KLD_
             "expected [..., V] and [..., K]"
         )
     dtype = torch.promote_types(p_full.dtype, torch.float32)
-    p_full = p_full.to(dtype)
+    return sparse_kld_at(p_full.to(dtype).gather(-1, q_ids.long()), q_probs, eps)
+
+
+def sparse_kld_at(p: Tensor, q_probs: Tensor, eps: float = KLD_EPS) -> Tensor:
+    """sparse_kld from the target's probabilities at the K draft ids alone, p [..., K] (the rest bin needs no
+    more): a verifier gets them from its logits without a full-vocabulary softmax."""
+    dtype = torch.promote_types(p.dtype, torch.float32)
+    p = p.to(dtype)
     q = q_probs.to(dtype)
-    p = p_full.gather(-1, q_ids.long())
     # The rest bin: mass outside the K draft ids, on each side.
     p_rest = 1.0 - p.sum(-1, keepdim=True)
     q_rest = 1.0 - q.sum(-1, keepdim=True)

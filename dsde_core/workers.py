@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsde_core.config import SamplingParams
+from dsde_core.errors import WorkerStateLost
 from dsde_core.models.runner import ModelRunner
 from dsde_core.policies.adaedl import entropy_confidence, should_stop
 from dsde_core.sampling import (
@@ -29,7 +30,7 @@ from dsde_core.sampling import (
     verify_greedy,
     verify_stochastic,
 )
-from dsde_core.signals import sparse_kld
+from dsde_core.signals import sparse_kld_at
 
 
 @dataclass
@@ -75,6 +76,7 @@ class _Worker:
     """Slot bookkeeping shared by both workers."""
 
     stream = 0
+    role = "worker"
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
@@ -95,9 +97,15 @@ class _Worker:
     def num_open(self) -> int:
         return len(self.slots)
 
+    def available(self) -> bool:
+        """Whether the worker answers (an in-process worker always does; a proxy to an actor may not)."""
+        return True
+
     def _sync(self, slot: int, new_tokens: list[int]) -> list[int]:
         """Append the committed tokens, roll the cache back to the matching prefix, return what to feed."""
-        s = self.slots[slot]
+        s = self.slots.get(slot)
+        if s is None:  # opened by the engine, unknown here: this worker was restarted and lost its caches
+            raise WorkerStateLost(self.role, f"slot {slot} is not open here (the worker was restarted)")
         s.committed.extend(new_tokens)
         limit = min(len(s.cached), len(s.committed) - 1)  # the last committed token is always fed
         m = min(s.matched, limit)
@@ -111,6 +119,7 @@ class _Worker:
 
 class DraftWorker(_Worker):
     stream = 1
+    role = "draft"
 
     def __init__(self, runner: ModelRunner, top_k: int = 64, logit_noise: float = 0.0) -> None:
         super().__init__(runner)
@@ -138,7 +147,7 @@ class DraftWorker(_Worker):
             next_batch = []
             for row, t in enumerate(live):
                 s = self.slots[t.slot]
-                dist = draft_dist(logits[row], s.params, self.top_k)
+                dist = draft_dist(logits[row], s.params, self.top_k, with_entropy=t.min_confidence is not None)
                 x = sample_draft(dist, s.gen)
                 prop = out[t.slot]
                 prop.tokens.append(x)
@@ -153,6 +162,7 @@ class DraftWorker(_Worker):
 
 class TargetWorker(_Worker):
     stream = 2
+    role = "target"
 
     @torch.inference_mode()
     def verify(self, tasks: list[VerifyTask]) -> list[Verdict]:
@@ -181,9 +191,11 @@ class TargetWorker(_Worker):
             tokens = verify_stochastic(target_probs(logits, s.params), drafts, dists, s.gen)
         kld: list[float] = []
         if drafts:
-            # signal: KL(p || q) at every proposed position (also after the first rejection), signal temperature
-            p_sig = torch.softmax(logits[: len(drafts)] / signal_temperature(s.params), dim=-1)  # [k, V]
+            # signal: KL(p || q) at every proposed position (also after the first rejection), signal temperature;
+            # p at the K draft ids is exp(z_ids - logsumexp(z)): no full-vocabulary softmax
+            z = logits[: len(drafts)] / signal_temperature(s.params)  # [k, V]
             ids = torch.stack([d.ids for d in prop.dists])  # [k, K]
+            p_ids = (z.gather(-1, ids) - torch.logsumexp(z, dim=-1, keepdim=True)).exp()  # [k, K]
             q_sig = torch.stack([d.q_signal for d in prop.dists])  # [k, K]
-            kld = sparse_kld(p_sig, ids, q_sig).tolist()
+            kld = sparse_kld_at(p_ids, q_sig).tolist()
         return Verdict(slot, tokens, len(tokens) - 1, kld)

@@ -22,7 +22,17 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     args = dict(args or {})
     user_config = args.pop("user_config", None)
     cfg = ServiceConfig.from_args(args)  # ConfigError here fails the deploy with a clear message
-    if user_config is None:
-        return DSDEServer.bind(cfg)
-    PolicyConfig.from_dict(user_config)
-    return DSDEServer.options(user_config=user_config).bind(cfg)
+    options = deployment_options(cfg)
+    if user_config is not None:
+        PolicyConfig.from_dict(user_config)
+        options["user_config"] = user_config
+    return DSDEServer.options(**options).bind(cfg)
+
+
+def deployment_options(cfg: ServiceConfig) -> dict[str, Any]:
+    """Serve's side of the load limits: the replica takes every request the engine may hold plus headroom (it
+    answers the excess with 429 itself, quickly), and Serve queues a bounded number in front of it (503 past that).
+    On shutdown or redeploy Serve lets running requests finish for graceful_shutdown_timeout_s."""
+    capacity = cfg.max_batch_size + cfg.max_queue
+    return {"max_ongoing_requests": capacity + 64, "max_queued_requests": capacity + 64,
+            "graceful_shutdown_timeout_s": cfg.graceful_shutdown_timeout_s}

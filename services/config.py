@@ -59,6 +59,19 @@ class ServiceConfig:
     target_num_cpus: float = 1.0
     target_num_gpus: float = 0.0
     controller_num_cpus: float = 0.0
+    # failure behaviour and load (README "Failure behaviour")
+    actor_max_restarts: int = 3  # Ray restarts a dead draft, target or controller actor this many times (-1: no limit)
+    worker_wait_s: float = 60.0  # requests wait this long for a failed target to come back, then end with a 503
+    max_queue: int = 64  # requests that may wait for a KV slot beyond the max_batch_size running ones; more get 429
+    retry_after_s: int = 1  # the Retry-After header of a 429 or 503
+    request_timeout_s: float | None = 600.0  # a request unfinished this long after arriving gets a 504 (None: never)
+    graceful_shutdown_timeout_s: float = 30.0  # on shutdown or redeploy, running requests get this long to finish
+    max_request_bytes: int = 1 << 20  # request bodies larger than this get 413
+    api_key: str | None = field(default=None, repr=False)  # Bearer token on every endpoint but /health ($DSDE_API_KEY)
+    # oneDNN's primitive caches in the model actors (entries; null: oneDNN's default, 1024). Each new input shape
+    # (prefills vary) adds an entry with its buffers: at the default a host's memory grows for a long time before it
+    # levels off (benchmarks/soak.py); 256 keeps it bounded at a small cost per step
+    onednn_cache_capacity: int | None = 256
 
     def __post_init__(self) -> None:
         draft = self.draft
@@ -74,6 +87,25 @@ class ServiceConfig:
             value = getattr(self, name)
             _check(isinstance(value, (int, float)) and 0 <= value <= 1024,
                    f"{name} must be in [0, 1024], got {value!r}")
+        _check(isinstance(self.actor_max_restarts, int) and -1 <= self.actor_max_restarts <= 1000,
+               f"actor_max_restarts must be an integer in [-1, 1000], got {self.actor_max_restarts!r}")
+        _check(isinstance(self.max_queue, int) and 0 <= self.max_queue <= 1 << 20,
+               f"max_queue must be an integer in [0, 2^20], got {self.max_queue!r}")
+        _check(isinstance(self.retry_after_s, int) and 0 <= self.retry_after_s <= 3600,
+               f"retry_after_s must be an integer in [0, 3600], got {self.retry_after_s!r}")
+        _check(self.request_timeout_s is None or (isinstance(self.request_timeout_s, (int, float))
+                                                  and 0 < self.request_timeout_s <= 86400),
+               f"request_timeout_s must be in (0, 86400] or null, got {self.request_timeout_s!r}")
+        _check(isinstance(self.graceful_shutdown_timeout_s, (int, float)) and 0 <= self.graceful_shutdown_timeout_s
+               <= 3600, f"graceful_shutdown_timeout_s must be in [0, 3600], got {self.graceful_shutdown_timeout_s!r}")
+        _check(isinstance(self.max_request_bytes, int) and 1024 <= self.max_request_bytes <= 1 << 30,
+               f"max_request_bytes must be an integer in [1024, 2^30], got {self.max_request_bytes!r}")
+        _check(self.api_key is None or isinstance(self.api_key, str), "api_key must be a string")
+        _check(self.onednn_cache_capacity is None or (isinstance(self.onednn_cache_capacity, int)
+                                                      and 0 <= self.onednn_cache_capacity <= 1 << 16),
+               f"onednn_cache_capacity must be an integer in [0, 65536] or null, got {self.onednn_cache_capacity!r}")
+        if not self.api_key:
+            object.__setattr__(self, "api_key", None)
         make_policy(self.policy)  # a bad spec fails at build time, not in the controller
         self.engine_config()  # the engine's own checks (batch, lengths, dtype, threads)
 
@@ -90,7 +122,8 @@ class ServiceConfig:
     def engine_config(self) -> EngineConfig:
         return EngineConfig(max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len, max_sl=self.max_sl,
                             draft_top_k=self.draft_top_k, dtype=self.dtype, draft_quant=self.draft_quant,
-                            device="cpu" if self.device == "auto" else self.device, num_threads=self.num_threads)
+                            device="cpu" if self.device == "auto" else self.device, num_threads=self.num_threads,
+                            worker_wait_s=self.worker_wait_s)
 
     @property
     def torch_dtype(self) -> Any:

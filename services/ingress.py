@@ -13,26 +13,36 @@ batch fills and then run them as a closed group.
 Errors: bad input is a 4xx with an OpenAI-style body {"error": {"message", "type", "code", "param"}}, never a
 500 or a traceback; an unknown model is a 404. A failure inside the engine ends the affected requests with a
 500 (or an error event in a stream); the engine keeps serving the others.
+
+Load and failures (README "Failure behaviour"): at most max_batch_size + max_queue requests are in the engine;
+more get 429 with Retry-After. A request unfinished after request_timeout_s ends with 504. A worker actor that
+dies is restarted by Ray and the engine recovers (dsde_core.recovery); a request that waited worker_wait_s for a
+target that did not come back ends with 503. drain() (SIGTERM in `dsde serve`) refuses new requests with 503
+and lets the running ones finish. With an API key (api_key / $DSDE_API_KEY) every endpoint but /health wants
+`Authorization: Bearer <key>`; bodies over max_request_bytes get 413.
 """
 
 
 import asyncio
 import contextlib
 import logging
+import os
+import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from ray.exceptions import ActorDiedError, RayActorError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsde_core.async_engine import AsyncEngine
 from dsde_core.config import SamplingParams
 from dsde_core.engine import Engine
-from dsde_core.errors import ConfigError, VocabularyMismatchError
+from dsde_core.errors import ConfigError, VocabularyMismatchError, WorkerUnavailable
 from dsde_core.request import RequestOutput
 from services import transport
 from services.config import PolicyConfig, ServiceConfig
@@ -50,21 +60,23 @@ app = FastAPI(title="DSDE Serve", description="Speculative decoding with DSDE, O
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.type = status, message, param, type_
+        self.status, self.message, self.param, self.type, self.headers = status, message, param, type_, headers
 
 
-def _error_response(status: int, message: str, param: str | None = None, type_: str | None = None) -> JSONResponse:
+def _error_response(status: int, message: str, param: str | None = None, type_: str | None = None,
+                    headers: dict[str, str] | None = None) -> JSONResponse:
     metrics = current_metrics()  # module state reached by reference (Serve ships the deployment class by value)
     if metrics is not None:
         metrics.on_error_status(status)
-    return JSONResponse(error_body(message, status, type_, param), status_code=status)
+    return JSONResponse(error_body(message, status, type_, param), status_code=status, headers=headers)
 
 
 @app.exception_handler(APIError)
 async def _api_error(_: Request, e: APIError) -> JSONResponse:
-    return _error_response(e.status, e.message, e.param, e.type)
+    return _error_response(e.status, e.message, e.param, e.type, e.headers)
 
 
 @app.exception_handler(RequestValidationError)
@@ -101,47 +113,222 @@ def _check_vocab(actors: Actors) -> None:
         raise VocabularyMismatchError(f"draft {d.name} and target {t.name} have different tokenizers")
 
 
+# ---- the request guard: API key and body size ----------------------------------------------------------
+_guard: dict[str, Any] = {"api_key": None, "max_bytes": 1 << 20, "model": None}  # set by DSDEServer.__init__
+OPEN_PATHS = frozenset({"/health"})
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+def configure_guard(api_key: str | None, max_bytes: int, model: str | None = None) -> None:
+    """Set this process's guard (and the served name the schema shows). A function, not a dict update in the
+    replica: Serve ships the deployment class by value, so a module dict it names would be a copy; this module's
+    functions are reached by reference."""
+    _guard.update(api_key=api_key, max_bytes=max_bytes, model=model)
+
+
+def _route(scope: dict[str, Any]) -> str:
+    """The path inside the app (Serve's route prefix, the ASGI root_path, removed)."""
+    path, root = scope.get("path", "/"), scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root):]
+    return path or "/"
+
+
+def _header(scope: dict[str, Any], name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+class RequestGuard:
+    """ASGI middleware in front of every route: the API key, checked like vLLM's (`Authorization: Bearer <key>`,
+    401 otherwise) on every path but /health, and the body bound (413 over max_request_bytes, from the
+    Content-Length or, without one, while the body is read). The body is read once here and replayed."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        key = _guard["api_key"]
+        if key is not None and _route(scope) not in OPEN_PATHS:
+            given = _header(scope, b"authorization") or ""
+            if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                reply = _error_response(401, "a valid API key is required: send it as 'Authorization: Bearer <key>'",
+                                        type_="authentication_error", headers={"WWW-Authenticate": "Bearer"})
+                await reply(scope, receive, send)
+                return
+        if scope.get("method") not in BODY_METHODS:
+            await self.app(scope, receive, send)
+            return
+        limit = _guard["max_bytes"]
+        too_big = _error_response(413, f"the request body is larger than {limit} bytes (max_request_bytes)")
+        length = _header(scope, b"content-length")
+        if length is not None and (not length.strip().isdigit() or int(length) > limit):
+            reply = too_big if length.strip().isdigit() else _error_response(400, "invalid Content-Length header")
+            await reply(scope, receive, send)
+            return
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left while sending its body
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > limit:
+                await too_big(scope, receive, send)
+                return
+        replayed = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # afterwards: the client's disconnect, which cancels a stream
+
+        await self.app(scope, replay, send)
+
+
+app.add_middleware(RequestGuard)
+
+
+def _openapi() -> dict[str, Any]:
+    """FastAPI's OpenAPI schema, with `model` limited to the served name: the one value that is not a 404, which
+    clients (and schemathesis) can read from the schema."""
+    if app.openapi_schema is None:
+        schema = FastAPI.openapi(app)
+        for name in ("CompletionRequest", "ChatCompletionRequest"):
+            prop = schema.get("components", {}).get("schemas", {}).get(name, {}).get("properties", {}).get("model")
+            if prop is not None and _guard["model"]:
+                prop["enum"] = [_guard["model"]]
+    return app.openapi_schema
+
+
+app.openapi = _openapi  # type: ignore[method-assign]
+
+
+class _Stream(StreamingResponse):
+    """A streaming response that cancels its request however it ends, even if its body was never iterated (a
+    client that left before the first chunk): the request joined the engine when it was admitted."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+ERROR_STATUS = {"unavailable": 503, "timeout": 504}  # RequestOutput.error_type -> HTTP status; otherwise 500
+
+
+async def with_deadline(outputs: AsyncIterator[RequestOutput], timeout: float | None, req_id: str
+                        ) -> AsyncIterator[RequestOutput]:
+    """A request's outputs until `timeout` s from now; then one error output (error_type "timeout") and the source
+    is closed, which cancels the request in the engine."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    async with contextlib.aclosing(outputs):
+        while True:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                out = await asyncio.wait_for(anext(outputs), wait)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:  # the wait cancelled the source's pending step: its finally cancels the request
+                yield RequestOutput(req_id, [], "", True, "error",
+                                    f"the request did not finish within {timeout:g}s (request_timeout_s)",
+                                    error_type="timeout")
+                return
+            yield out
+            if out.finished:
+                return
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256, health_check_period_s=10,
-                  health_check_timeout_s=60, graceful_shutdown_timeout_s=10)
+                  health_check_timeout_s=60, graceful_shutdown_timeout_s=30)
 @serve.ingress(app)
 class DSDEServer:
     def __init__(self, cfg: ServiceConfig) -> None:
         self.cfg = cfg
         self.model = cfg.served_name
+        configure_guard(cfg.api_key or os.environ.get("DSDE_API_KEY") or None, cfg.max_request_bytes, self.model)
         transport.register()  # the proposals this engine forwards to the target travel packed
-        self.actors = start_actors(cfg, PolicyConfig(policy=cfg.policy))
+        self.policy_config = PolicyConfig(policy=cfg.policy)
+        self.actors = start_actors(cfg, self.policy_config)
         _check_vocab(self.actors)
         self.tokenizer = self.actors.target_info.tokenizer
         self.metrics = ServiceMetrics(self.model)
         set_current_metrics(self.metrics)
+        self.controller = ControllerProxy(self.actors.controller)
         self.engine = Engine(
             TargetProxy(self.actors.target),
             DraftProxy(self.actors.draft) if self.actors.draft is not None else None,
-            ObservedPolicy(ControllerProxy(self.actors.controller), self.metrics, load=self._load),
+            ObservedPolicy(self.controller, self.metrics, load=self._load),
             self.tokenizer, cfg.engine_config(), eos_ids=self.actors.target_info.eos_ids,
             vocab_size=self.actors.target_info.vocab_size,
         )
+        self.engine.recovery_hooks.append(self._on_recovered)
         self.aengine = AsyncEngine(self.engine).start()
         self.policy = cfg.policy
+        self.draining = False
         self.started = time.time()
         log.info("DSDE ingress ready: model %s, target %s, draft %s, policy %s", self.model, cfg.target, cfg.draft,
                  cfg.policy)
 
     def _load(self) -> tuple[int, int, int]:
         e = self.engine
+        self.metrics.on_workers({role: not h.down for role, h in e.health.items() if role != "draft" or e.draft})
         return len(e.running), len(e.waiting), e.config.max_batch_size - len(e.free_slots)
+
+    def _on_recovered(self, role: str) -> None:
+        """The engine reached a failed actor again (its state is rebuilt). A restarted controller started from the
+        build-time policy: give it the current one (the engine thread; a plain actor call)."""
+        log.warning("the %s actor answers again; its state was rebuilt from the committed tokens", role)
+        self._load()  # the gauges (dsde_worker_up) now, not at the next request
+        if role == "policy":
+            with contextlib.suppress(WorkerUnavailable):
+                self.policy = self.controller.reconfigure(self.policy_config)
 
     # ---- Serve hooks --------------------------------------------------------------------------------
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Apply a new user_config live: the controller makes a new policy current; models stay loaded."""
         cfg = PolicyConfig.from_dict(user_config)
         self.policy = await self.actors.controller.reconfigure.remote(cfg)
+        self.policy_config = cfg
         log.info("DSDE policy reconfigured: %s", self.policy)
 
     async def check_health(self) -> None:
+        """Healthy while the engine loop runs and no actor is dead for good. An actor that is restarting is not a
+        failure (the engine waits for it); one that used up its restarts is: Serve then replaces the replica."""
         if not self.aengine.alive:
             raise RuntimeError("the engine loop is not running")
-        await asyncio.wait_for(asyncio.gather(*(a.ping.remote() for a in self.actors.all())), timeout=50)
+        for name, actor in self.actors.named().items():
+            try:
+                await asyncio.wait_for(actor.ping.remote(), timeout=30)
+            except ActorDiedError as e:
+                raise RuntimeError(f"the {name} actor is dead and will not be restarted: {e}") from None
+            except (RayActorError, TimeoutError):
+                continue
+        with contextlib.suppress(RayActorError, TimeoutError):  # a controller restarted between two steps
+            described = await asyncio.wait_for(self.actors.controller.describe.remote(), timeout=30)
+            if described["policy"] != self.policy:
+                self.policy = await self.actors.controller.reconfigure.remote(self.policy_config)
+
+    async def drain(self) -> int:
+        """Refuse new requests from now on (503); returns how many are still in the engine."""
+        self.draining = True
+        return len(self.engine.requests)
+
+    async def in_flight(self) -> int:
+        return len(self.engine.requests)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
@@ -152,11 +339,40 @@ class DSDEServer:
     # ---- routes -------------------------------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        alive = self.aengine.alive
-        running, waiting, _ = self._load()
-        body = {"status": "ok" if alive else "engine stopped", "model": self.model, "policy": self.policy,
-                "running": running, "waiting": waiting, "started": self.started}
-        return JSONResponse(body, status_code=200 if alive else 503)
+        state = self.engine.state()
+        workers = {role: w["up"] for role, w in state["workers"].items()}
+        if not self.aengine.alive:
+            status = "engine stopped"
+        elif self.draining:
+            status = "draining"
+        else:
+            status = "ok" if all(workers.values()) else "degraded"
+        body = {"status": status, "model": self.model, "policy": self.policy, "running": state["running"],
+                "waiting": state["waiting"], "slots_in_use": state["slots_in_use"], "workers": workers,
+                "started": self.started}
+        return JSONResponse(body, status_code=200 if status in ("ok", "degraded") else 503)
+
+    @app.get("/admin/state")
+    async def admin_state(self) -> dict[str, Any]:
+        """Every piece of per-request state, where it lives: the engine's counts and each party's health, and
+        the slots the draft and target hold open and the requests the controller tracks (actor calls)."""
+
+        async def ask(actor: Any, method: str) -> int | None:
+            if actor is None:
+                return None
+            try:
+                return await asyncio.wait_for(getattr(actor, method).remote(), timeout=10)
+            except (RayActorError, TimeoutError):
+                return None  # down or restarting
+
+        state = self.engine.state()
+        state["target_slots_open"] = await ask(self.actors.target, "num_open")
+        state["draft_slots_open"] = await ask(self.actors.draft, "num_open")
+        state["controller_tracked"] = await ask(self.actors.controller, "num_tracked")
+        state["draining"] = self.draining
+        state["actors"] = {"namespace": self.actors.namespace, "names": self.actors.names}
+        state["capacity"] = {"max_batch_size": self.cfg.max_batch_size, "max_queue": self.cfg.max_queue}
+        return state
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
@@ -199,28 +415,50 @@ class DSDEServer:
             raise APIError(400, str(e), "max_tokens" if "context window" in str(e) else None) from None
         return params
 
+    def _admit(self) -> None:
+        """Refuse a request the engine must not take: 503 while draining, 429 when the queue is full."""
+        retry = {"Retry-After": str(self.cfg.retry_after_s)}
+        if self.draining:
+            raise APIError(503, "the server is shutting down and takes no new requests", type_="server_error",
+                           headers=retry)
+        limit = self.cfg.max_batch_size + self.cfg.max_queue
+        if len(self.engine.requests) >= limit:
+            raise APIError(429, f"the server is at capacity ({self.cfg.max_batch_size} running and "
+                                f"{self.cfg.max_queue} waiting requests); retry after {self.cfg.retry_after_s}s",
+                           type_="rate_limit_error", headers=retry)
+
     async def _generate(self, body: CompletionRequest | ChatCompletionRequest, ids: list[int], chat: bool) -> Any:
         params = self._params(body, ids)
+        self._admit()
         reply = Reply(self.model, chat, len(ids))
+        # the request joins the engine's queue now (the queue bound above counts it at once)
+        outputs = self._track(self.aengine.submit(ids, params, body.speculation.params(), reply.id), reply)
         self.metrics.on_admit(len(ids))
-        outputs = self._track(self.aengine.generate(ids, params, body.speculation.params()), reply)
         if body.stream:
-            return StreamingResponse(self._stream(outputs, reply, body.include_usage), media_type="text/event-stream")
+            return _Stream(self._stream(outputs, reply, body.include_usage), on_close=lambda: self._cancel(reply.id))
         text, last = [], None
-        async with contextlib.aclosing(outputs):
+        async with contextlib.aclosing(outputs):  # no await before this: the generator's finally frees the request
             async for out in outputs:
                 text.append(out.text)
                 last = out
         if last is None or last.finish_reason == "error":
-            raise APIError(500, (last and last.error) or "generation failed")
+            status = ERROR_STATUS.get(last.error_type, 500) if last is not None else 500
+            headers = {"Retry-After": str(self.cfg.retry_after_s)} if status == 503 else None
+            raise APIError(status, (last and last.error) or "generation failed", headers=headers)
         return reply.body("".join(text), last.finish_reason, last.stats)
 
+    def _cancel(self, req_id: str) -> None:
+        if req_id in self.engine.requests:  # not finished: free it at the next step
+            self.aengine.cancel(req_id)
+
     async def _track(self, outputs: AsyncIterator[RequestOutput], reply: Reply) -> AsyncIterator[RequestOutput]:
-        """A request's outputs, counted into `reply` and the metrics; closing it early cancels the request."""
+        """A request's outputs (ended by an error output at request_timeout_s), counted into `reply` and the
+        metrics; closing it early cancels the request."""
         last = None
         try:
-            async with contextlib.aclosing(outputs):
-                async for out in outputs:
+            timed = with_deadline(outputs, self.cfg.request_timeout_s, reply.id)
+            async with contextlib.aclosing(timed):
+                async for out in timed:
                     reply.completion_tokens += len(out.token_ids)
                     self.metrics.on_output(out)
                     last = out
@@ -236,7 +474,7 @@ class DSDEServer:
                 yield sse(reply.chunk("", role=True))
             async for out in outputs:
                 if out.finish_reason == "error":
-                    yield sse(error_body(out.error or "generation failed", 500))
+                    yield sse(error_body(out.error or "generation failed", ERROR_STATUS.get(out.error_type, 500)))
                     break
                 if out.text:
                     yield sse(reply.chunk(out.text))

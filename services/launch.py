@@ -1,5 +1,6 @@
 """`dsde serve`: start a local Ray, run the app on it, print the URL, block, and stop everything on Ctrl-C or
-SIGTERM (Serve first, then Ray: the cluster this process started and nothing else)."""
+SIGTERM (Serve first, then Ray: the cluster this process started and nothing else). Stopping is graceful: the
+replica is drained first (new requests get 503, running ones finish within graceful_shutdown_timeout_s)."""
 
 from __future__ import annotations
 
@@ -106,7 +107,10 @@ def serve_forever(opts: LocalServe, stop: threading.Event | None = None, log: An
         ready.set()
         while not stop.wait(0.5):
             pass
-        log("dsde serve: stopping")
+        grace = ServiceConfig.from_args(_no_user(opts.args)).graceful_shutdown_timeout_s
+        log(f"dsde serve: stopping: new requests get 503; running ones get up to {grace:g}s to finish")
+        left = drain(grace)
+        log("dsde serve: drained" if left == 0 else f"dsde serve: {left} request(s) still running; stopping anyway")
         return 0
     finally:
         ready.set()  # a second signal while shutting down only sets `stop`
@@ -115,6 +119,23 @@ def serve_forever(opts: LocalServe, stop: threading.Event | None = None, log: An
         ray.shutdown()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def drain(timeout: float, app_name: str = APP_NAME) -> int:
+    """Tell the app's replica to refuse new requests, then wait up to `timeout` s for the running ones to finish.
+    Returns how many are left (-1: the replica could not be reached)."""
+    from ray import serve
+
+    try:
+        handle = serve.get_app_handle(app_name)
+        left = handle.drain.remote().result(timeout_s=30)
+        deadline = time.monotonic() + timeout
+        while left and time.monotonic() < deadline:
+            time.sleep(0.25)
+            left = handle.in_flight.remote().result(timeout_s=30)
+        return left
+    except Exception:  # noqa: BLE001 - shutting down regardless: Serve's own graceful shutdown still applies
+        return -1
 
 
 class ServiceStartError(DSDEError):

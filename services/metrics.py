@@ -30,6 +30,13 @@ METRICS: list[tuple[str, str, str, tuple[str, ...], list[float] | None]] = [
     ("dsde_num_requests_waiting", "gauge", "Requests waiting for a KV slot", (), None),
     ("dsde_kv_slots_in_use", "gauge", "KV-cache slots held by running requests", (), None),
     ("dsde_sl_cap", "gauge", "DSDE's batch SL cap at the last step (0 when no sequence was capped)", (), None),
+    ("dsde_worker_up", "gauge", "1 while the engine reaches the worker (draft, target, policy), 0 while it is down",
+     ("worker",), None),
+    ("dsde_cost_verify_seconds", "gauge", "Step-cost model: target verification of the batch with no draft tokens",
+     (), None),
+    ("dsde_cost_verify_per_token_seconds", "gauge", "Step-cost model: added per draft token verified", (), None),
+    ("dsde_cost_draft_forward_seconds", "gauge", "Step-cost model: one batched draft forward", (), None),
+    ("dsde_cost_draft_per_token_seconds", "gauge", "Step-cost model: added per draft token proposed", (), None),
     ("dsde_prompt_tokens", "counter", "Prompt tokens of admitted requests", (), None),
     ("dsde_generation_tokens", "counter", "Tokens generated", (), None),
     ("dsde_spec_decode_num_drafts", "counter", "Sequence-steps that proposed at least one draft token", (), None),
@@ -114,6 +121,17 @@ class ServiceMetrics:
         self.m["dsde_num_requests_waiting"].set(waiting)
         self.m["dsde_kv_slots_in_use"].set(slots_in_use)
 
+    def on_workers(self, up: dict[str, bool]) -> None:
+        for role, ok in up.items():
+            self.m["dsde_worker_up"].set(1 if ok else 0, tags={"worker": role})
+
+    def on_costs(self, costs: StepCosts) -> None:
+        """The engine's online step-cost model at the current batch size (what cost-aware policies plan with)."""
+        self.m["dsde_cost_verify_seconds"].set(costs.verify_s)
+        self.m["dsde_cost_verify_per_token_seconds"].set(costs.verify_per_token_s)
+        self.m["dsde_cost_draft_forward_seconds"].set(costs.draft_fwd_s)
+        self.m["dsde_cost_draft_per_token_seconds"].set(costs.draft_per_token_s)
+
     def on_plan(self, plans: Sequence[Plan]) -> None:
         sl = self.m["dsde_sl_chosen"]
         for p in plans:
@@ -179,6 +197,8 @@ class ObservedPolicy(SpeculationPolicy):
     def plan(self, seqs: Sequence[SeqInfo], costs: StepCosts | None = None) -> list[Plan]:
         plans = self.inner.plan(seqs, costs)
         self._record_load()
+        if costs is not None:
+            self.metrics.on_costs(costs)
         self.metrics.on_plan(plans)
         return plans
 
@@ -193,6 +213,10 @@ class ObservedPolicy(SpeculationPolicy):
 
     def num_tracked(self) -> int:
         return self.inner.num_tracked()
+
+    def available(self) -> bool:
+        probe = getattr(self.inner, "available", None)
+        return True if probe is None else bool(probe())
 
     def stats(self, req_id: str) -> dict[str, float]:
         return self.inner.stats(req_id)

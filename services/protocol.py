@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from dsde_core.config import SamplingParams, SpeculationParams
 
 MAX_STOP = 16
+MAX_STOP_CHARS = 256  # per stop string
+GREEDY_BELOW = 1e-5  # a temperature under this is greedy (as in vLLM): 1 / T would overflow the logits
 
 
 class ErrorInfo(BaseModel):
@@ -79,6 +81,9 @@ class _Common(BaseModel):
         stops = [v] if isinstance(v, str) else (v or [])
         if len(stops) > MAX_STOP or not all(stops):
             raise ValueError(f"stop must be at most {MAX_STOP} non-empty strings")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"each stop string must be at most {MAX_STOP_CHARS} characters, got {longest}")
         return v
 
     @field_validator("logprobs")
@@ -97,7 +102,8 @@ class _Common(BaseModel):
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+        temperature = 0.0 if self.temperature < GREEDY_BELOW else self.temperature
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=self.top_p,
                               top_k=max(0, self.top_k), seed=self.seed, stop=stop)
 
     @property

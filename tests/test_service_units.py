@@ -122,7 +122,8 @@ def test_packed_proposals_carry_exactly_the_same_values() -> None:
     for slot in range(2):
         engine.draft.open(slot, SamplingParams(temperature=0.7, seed=slot))
         engine.target.open(slot, SamplingParams(temperature=0.7, seed=slot))
-    props = engine.draft.propose([DraftTask(0, random_prompts(1, seed=2)[0], 4), DraftTask(1, [5, 6], 0)])
+    # min_confidence 0: never stops early, but makes the draft compute the entropy that crosses too
+    props = engine.draft.propose([DraftTask(0, random_prompts(1, seed=2)[0], 4, 0.0), DraftTask(1, [5, 6], 0)])
     for p in props:
         q = unpack(pack(p))
         assert q.slot == p.slot and q.tokens == p.tokens and len(q.dists) == len(p.dists)

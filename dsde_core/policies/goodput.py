@@ -46,14 +46,16 @@ class GoodputConfig:
     max_sl: int = 20
     prior_alpha: float = 0.7  # acceptance assumed before a request has drafted
     prior_weight: float = 2.0  # worth this many observed draft positions
-    rho: float = 0.8  # per-step decay of the acceptance counts (memory ~ 5 steps)
-    eta: float = 0.5  # strength of the instability discount
+    rho: float = 0.9  # per-step decay of the acceptance counts (memory ~ 10 steps)
+    eta: float = 0.25  # strength of the instability discount
     window: int = 30  # DSDE's N: KLD history for WVIR
     delta: float = 0.9  # WVIR's decay
     margin: float = 0.05  # expected tokens per step a sequence must gain to switch speculation on
     probe_every: int = 8
     probe_max: int = 64
     probe_k: int = 2
+    position_profile: bool = True  # per-position acceptance shape, learnt over all sequences
+    profile_decay: float = 0.995  # per step, of the position counts
 
     def __post_init__(self) -> None:
         checks = [
@@ -87,11 +89,14 @@ class _State:
     last_k: int = 0
 
 
-def expected_tokens(alpha: np.ndarray, max_k: int) -> np.ndarray:
-    """E[b, k] = sum_{j=0..k} alpha_b^j for k = 0..max_k: the tokens one step emits with k drafts. [B] -> [B, K+1]"""
-    j = np.arange(max_k + 1)
-    powers = alpha[:, None] ** j[None, :]  # [B, K+1]
-    return np.cumsum(powers, axis=1)
+def expected_tokens(alpha: np.ndarray, max_k: int, shape: np.ndarray | None = None) -> np.ndarray:
+    """E[b, k] = sum_{j=0..k} prod_{m<=j} alpha_b * shape_m for k = 0..max_k: the tokens one step emits with k
+    drafts (shape: [K] relative acceptance at draft position m given all earlier ones accepted; None: all 1, the
+    geometric case). [B] -> [B, K+1]"""
+    shape = np.ones(max_k) if shape is None else shape[:max_k]
+    cond = np.clip(alpha[:, None] * shape[None, :], 0.0, ALPHA_MAX)  # [B, K]
+    reach = np.cumprod(cond, axis=1)  # [B, K]: P(positions 1..j all accepted)
+    return np.concatenate([np.ones((len(alpha), 1)), 1.0 + np.cumsum(reach, axis=1)], axis=1)
 
 
 def best_plan(values: np.ndarray, max_k: np.ndarray, costs: StepCosts, on_bonus: np.ndarray,
@@ -131,6 +136,8 @@ class GoodputPolicy(SpeculationPolicy):
         self._states: dict[str, _State] = {}
         self._plans = 0
         self._default = _prior_costs()
+        self._pos_seen = np.zeros(self.config.max_sl)  # decayed: draft positions reached (all earlier accepted)
+        self._pos_acc = np.zeros(self.config.max_sl)  # decayed: of those, accepted
 
     # ---- estimates -------------------------------------------------------------------------------------
     def alpha(self, req_id: str) -> float:
@@ -140,6 +147,16 @@ class GoodputPolicy(SpeculationPolicy):
         alpha_hat = (s.acc + a0) / (s.acc + s.rej + cfg.prior_weight)
         discount = min(1.0, 1.0 / s.instability) ** cfg.eta if s.instability > 0 else 1.0
         return min(alpha_hat * discount, ALPHA_MAX)
+
+    def position_shape(self) -> np.ndarray | None:
+        """[max_sl] conditional acceptance at each draft position over the mean one (acceptance tends to come in
+        runs: a token after accepted ones is more likely accepted), shrunk to 1 where positions are rarely seen."""
+        if not self.config.position_profile:
+            return None
+        w = self.config.prior_weight * 4
+        overall = (self._pos_acc.sum() + 1.0) / (self._pos_seen.sum() + 2.0)
+        cond = (self._pos_acc + w * overall) / (self._pos_seen + w)  # [max_sl]
+        return cond / overall
 
     # ---- the policy interface ----------------------------------------------------------------------------
     def plan(self, seqs: Sequence[SeqInfo], costs: StepCosts | None = None) -> list[Plan]:
@@ -154,7 +171,7 @@ class GoodputPolicy(SpeculationPolicy):
         states = [self._states[s.req_id] for s in seqs]
         max_k = np.array([min(s.max_k, cfg.max_sl) for s in seqs], dtype=np.int64)  # [B]
         alpha = np.array([self.alpha(s.req_id) for s in seqs])  # [B]
-        values = expected_tokens(alpha, int(max_k.max()))  # [B, K+1]
+        values = expected_tokens(alpha, int(max_k.max()), self.position_shape())  # [B, K+1]
         bonus = np.array([0.0 if st.on else cfg.margin for st in states])
         ks = best_plan(values, max_k, costs or self._default, bonus)
         plans = []
@@ -173,10 +190,15 @@ class GoodputPolicy(SpeculationPolicy):
 
     def observe(self, feedback: Sequence[StepFeedback]) -> None:
         cfg = self.config
+        self._pos_seen *= cfg.profile_decay
+        self._pos_acc *= cfg.profile_decay
         for fb in feedback:
             s = self._states.get(fb.req_id)
             if s is None or fb.proposed == 0:
                 continue
+            reached = min(fb.accepted + 1, fb.proposed, cfg.max_sl)  # positions 0..accepted were judged
+            self._pos_seen[:reached] += 1.0
+            self._pos_acc[: min(fb.accepted, cfg.max_sl)] += 1.0
             s.acc = cfg.rho * s.acc + fb.accepted
             s.rej = cfg.rho * s.rej + (1.0 if fb.accepted < fb.proposed else 0.0)
             klds = [max(0.0, v) for v in fb.kld]

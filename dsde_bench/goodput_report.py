@@ -1,0 +1,122 @@
+"""The BENCHMARKS.md section of cost-aware DSDE (dsde-goodput): its targets checked against the figures.
+
+Reads the engine runs results/goodput*.json (`dsde bench --out results/goodput....json`, any grid that includes
+dsde-goodput) and the simulator's results/simulate.json (the distance to the oracle). Throughput is output tokens
+per second of the whole cell (batch included); every ratio is taken between cells of the same run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from dsde_bench.report import cells_table, fmt, groups, md_table
+
+POLICY = "dsde-goodput"
+LOW_ACCEPTANCE_FLOOR = 0.98  # tokens/s against target-only where speculation does not pay
+COLLAPSE = 0.10  # no step down of more than this from one batch size to the next larger one
+
+
+def _tput(cells: Sequence[dict[str, Any]], policy: str) -> float | None:
+    c = next((c for c in cells if c["policy"] == policy), None)
+    return c["metrics"]["output_tok_s"] if c else None
+
+
+def _static(cells: Sequence[dict[str, Any]]) -> list[tuple[str, float]]:
+    return [(c["policy"], c["metrics"]["output_tok_s"]) for c in cells if c["policy"].startswith("static:")]
+
+
+def _is_low_acceptance(doc: dict[str, Any], cells: Sequence[dict[str, Any]]) -> bool:
+    """Where speculation does not pay: DSDE and every static k below target-only."""
+    off = _tput(cells, "off")
+    others = [t for _, t in _static(cells)] + [t for t in [_tput(cells, "dsde")] if t is not None]
+    return bool(off and others and max(others) < off)
+
+
+def targets(docs: dict[str, dict[str, Any]]) -> list[tuple[str, str, bool | None]]:
+    out: list[tuple[str, str, bool | None]] = []
+    for name, doc in docs.items():
+        noise = doc.get("backend", {}).get("draft_noise")
+        where = f"{name}" + (f", draft noise {noise:g}" if noise else "")
+        for (w, t, b), cs in groups(doc["cells"], ("workload", "temperature", "batch")).items():
+            g, off = _tput(cs, POLICY), _tput(cs, "off")
+            if g is None or off is None:
+                continue
+            cell = f"{w}, T={t:g}, batch {b} ({where})"
+            statics = _static(cs)
+            d = _tput(cs, "dsde")
+            if _is_low_acceptance(doc, cs):
+                best = max(statics, key=lambda s: s[1], default=("-", float("nan")))
+                out.append((f"low acceptance: >= {LOW_ACCEPTANCE_FLOOR}x target-only, {cell}",
+                            f"{g / off:.3f}x (DSDE {fmt(d / off if d else None, '.3f')}x, best static "
+                            f"{best[0]} {best[1] / off:.3f}x)", g / off >= LOW_ACCEPTANCE_FLOOR))
+                continue
+            so = next((c for c in cs if c["policy"] == "static-opt"), None)
+            if so is not None and d is not None:
+                so_t = so["metrics"]["output_tok_s"]
+                ok = g > max(so_t, d) if w == "mixed" else g >= max(so_t, d)
+                rel = ">" if w == "mixed" else ">="
+                out.append((f"{rel} Static-opt and DSDE+cap, {cell}",
+                            f"{g / so_t:.3f}x Static-opt (k={so.get('static_opt_k')}), {g / d:.3f}x DSDE", ok))
+        sizes = sorted({c["batch"] for c in doc["cells"]})
+        if len(sizes) >= 3:
+            for (w, t), cs in groups(doc["cells"], ("workload", "temperature")).items():
+                by_b = {c["batch"]: c["metrics"]["output_tok_s"] for c in cs if c["policy"] == POLICY}
+                steps = [(a, b, by_b[b] / by_b[a]) for a, b in zip(sizes, sizes[1:], strict=False)
+                         if a in by_b and b in by_b]
+                if steps:
+                    worst = min(steps, key=lambda s: s[2])
+                    out.append((f"no collapse with batch size, {w}, T={t:g} ({where})",
+                                ", ".join(f"{a}->{b}: {r:.2f}x" for a, b, r in steps),
+                                worst[2] >= 1.0 - COLLAPSE))
+    return out
+
+
+def oracle_table(sim: dict[str, Any] | None) -> str:
+    if not sim:
+        return "(no simulator results: run `dsde bench --simulate`)"
+    rows = []
+    for (p, w, b), cs in groups(sim["cells"], ("profile", "workload", "batch")).items():
+        m = {c["policy"]: c["metrics"] for c in cs}
+        if POLICY not in m or "oracle" not in m:
+            continue
+        so = next((c for c in cs if c["policy"] == "static-opt"), None)
+        rows.append([p, w, b, *(fmt(m.get(x, {}).get("speedup")) for x in (POLICY, "dsde", "oracle")),
+                     fmt(so["metrics"]["speedup"] if so else None),
+                     *(fmt(m.get(x, {}).get("speedup", float("nan")) / m["oracle"]["speedup"], ".2f")
+                       for x in (POLICY, "dsde"))])
+    if not rows:
+        return "(the simulator run did not include dsde-goodput and the oracle)"
+    return md_table(["profile", "workload", "batch", "goodput speedup", "DSDE speedup", "oracle speedup",
+                     "Static-opt speedup", "goodput / oracle", "DSDE / oracle"], rows)
+
+
+def section(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
+    if not docs and not sim:
+        return ""
+    tg = targets(docs)
+    tgt = md_table(["target", "figure", "met"], [(a, b, fmt(c)) for a, b, c in tg]) if tg else "(no engine runs)"
+    met = sum(1 for *_, ok in tg if ok)
+    runs = "\n".join(f"- `{n}`: `{d.get('meta', {}).get('command', '?')}` ({fmt(d.get('elapsed_s'), '.0f')} s)"
+                     for n, d in docs.items())
+    tables = "\n\n".join(f"#### {n}: {w}, T={t:g}, batch {b}\n\n{cells_table(cs)}"
+                         for n, d in docs.items()
+                         for (w, t, b), cs in groups(d["cells"], ("workload", "temperature", "batch")).items())
+    return f"""## Cost-aware DSDE: dsde-goodput (issue 7)
+
+Real runs on this machine (throughput = output tokens/s of the whole cell; ratios within one run):
+
+{runs}
+
+### Targets of issue 7 ({met} of {len(tg)} met)
+
+{tgt}
+
+### Distance to the oracle (simulator, T=0; speedup over target-only under each cost profile)
+
+{oracle_table(sim)}
+
+### All cells
+
+{tables}
+"""

@@ -1,0 +1,155 @@
+"""Locust load test of DSDE Serve's OpenAI-compatible API (README, Operations).
+
+Each simulated user streams chat and text completions (`stream: true`, usage in the last chunk) with real prompts
+from the benchmark workloads (dsde_bench.workloads: ShareGPT, HumanEval, GSM8K, ... from the data packages that
+`make setup` installs), mixing short and long generations. Beside Locust's own entry per endpoint (the time until the
+response headers, i.e. until the stream opens), every streamed request fires custom request events, the convention
+of LLM Locust harnesses, so that they land in the same statistics and CSV files:
+
+    type LLM, name TTFT   time to first token: request sent -> first chunk with text
+    type LLM, name ITL    inter-token latency: gap between successive chunks with text (one per engine step that
+                          gave the request tokens; with speculative decoding a step can carry several tokens)
+    type LLM, name TPOT   time per output token: (last - first chunk) / (completion tokens - 1)
+    type LLM, name E2E    end-to-end latency: request sent -> `data: [DONE]`
+
+(response_length of TTFT/E2E/TPOT is the request's completion tokens.) A request fails on an HTTP error, an error
+event in the stream, a malformed chunk, or a stream that ends without `[DONE]`.
+
+    .venv/bin/locust -f load_tests/locustfile.py --headless --host http://127.0.0.1:8000 \\
+        --users 4 --spawn-rate 2 --run-time 60s --csv results/locust --only-summary
+
+Options (also LOCUST_* environment variables): --model (default: the first of GET /v1/models), --workloads
+(chat,code,math), --prompts-per-workload (8), --short-tokens (32), --long-tokens (256), --long-fraction (0.25),
+--max-prompt-chars (1500), --chat-fraction (0.5), --temperature (0).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from typing import Any
+
+from locust import HttpUser, between, events, task
+from locust.env import Environment
+from locust.exception import StopUser
+
+from dsde_bench.workloads import load_workload
+
+_PROMPTS: list[str] = []
+_MODEL: list[str] = []
+
+
+@events.init_command_line_parser.add_listener
+def _options(parser: Any) -> None:
+    parser.add_argument("--model", default="", help="served model name (default: the first of GET /v1/models)")
+    parser.add_argument("--workloads", default="chat,code,math", help="dsde_bench workloads to draw prompts from")
+    parser.add_argument("--prompts-per-workload", type=int, default=8)
+    parser.add_argument("--short-tokens", type=int, default=32, help="max_tokens of a short generation")
+    parser.add_argument("--long-tokens", type=int, default=256, help="max_tokens of a long generation")
+    parser.add_argument("--long-fraction", type=float, default=0.25, help="share of requests that are long")
+    parser.add_argument("--max-prompt-chars", type=int, default=1500, help="longer prompts are not sampled")
+    parser.add_argument("--chat-fraction", type=float, default=0.5, help="share sent to /v1/chat/completions")
+    parser.add_argument("--temperature", type=float, default=0.0)
+
+
+@events.test_start.add_listener
+def _load_prompts(environment: Environment, **_: Any) -> None:
+    opts = environment.parsed_options
+    prompts: list[str] = []
+    for name in filter(None, (w.strip() for w in opts.workloads.split(","))):
+        prompts += [p.text for p in load_workload(name, n=opts.prompts_per_workload, seed=0,
+                                                  max_chars=opts.max_prompt_chars)]
+    if not prompts:
+        raise RuntimeError(f"no prompts from workloads {opts.workloads!r}")
+    _PROMPTS[:] = prompts
+    _MODEL[:] = [opts.model] if opts.model else []
+
+
+def _chunk_text(choice: dict[str, Any], chat: bool) -> str:
+    if chat:
+        return (choice.get("delta") or {}).get("content") or ""
+    return choice.get("text") or ""
+
+
+class OpenAIStreamingUser(HttpUser):
+    """One client: a streamed request, then a short think time."""
+
+    wait_time = between(0.1, 0.5)
+
+    def on_start(self) -> None:
+        if not _MODEL:
+            with self.client.get("/v1/models", name="GET /v1/models", catch_response=True) as r:
+                if r.status_code != 200 or not r.json().get("data"):
+                    r.failure(f"/v1/models: HTTP {r.status_code}: {r.text[:200]}")
+                    raise StopUser()
+                _MODEL[:] = [r.json()["data"][0]["id"]]
+        self.rng = random.Random()
+
+    @task
+    def stream(self) -> None:
+        opts = self.environment.parsed_options
+        long = self.rng.random() < opts.long_fraction
+        chat = self.rng.random() < opts.chat_fraction
+        prompt = self.rng.choice(_PROMPTS)
+        body: dict[str, Any] = {"model": _MODEL[0], "stream": True, "stream_options": {"include_usage": True},
+                                "max_tokens": opts.long_tokens if long else opts.short_tokens,
+                                "temperature": opts.temperature}
+        if chat:
+            path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
+        else:
+            path, body["prompt"] = "/v1/completions", prompt
+        self._stream(path, body, chat)
+
+    def _stream(self, path: str, body: dict[str, Any], chat: bool) -> None:
+        t0 = time.perf_counter()
+        first = last = None
+        itl: list[float] = []
+        tokens, done = 0, False
+        with self.client.post(path, json=body, stream=True, catch_response=True, name=f"{path} (stream)",
+                              timeout=600) as r:
+            if r.status_code != 200:
+                r.failure(f"HTTP {r.status_code}: {r.text[:300]}")
+                return
+            try:
+                for raw in r.iter_lines():
+                    line = raw.decode() if isinstance(raw, bytes) else raw
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[len("data: "):]
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        r.failure(f"error event: {chunk['error']}")
+                        return
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+                    text = "".join(_chunk_text(c, chat) for c in chunk.get("choices") or [])
+                    if text:
+                        now = time.perf_counter()
+                        if first is None:
+                            first = now
+                        else:
+                            itl.append(now - last)
+                        last = now
+            except (ValueError, KeyError, OSError) as e:
+                r.failure(f"bad stream: {e!r}")
+                return
+            if not done:
+                r.failure("the stream ended without [DONE]")
+                return
+            r.success()
+        end = time.perf_counter()
+        self._fire("E2E", end - t0, tokens)
+        if first is not None:
+            self._fire("TTFT", first - t0, tokens)
+            for gap in itl:
+                self._fire("ITL", gap, 0)
+            if tokens > 1:
+                self._fire("TPOT", (last - first) / (tokens - 1), tokens)
+
+    def _fire(self, name: str, seconds: float, length: int) -> None:
+        self.environment.events.request.fire(request_type="LLM", name=name, response_time=seconds * 1000.0,
+                                             response_length=length, exception=None, context={})

@@ -1,0 +1,41 @@
+"""The issue-7 section of BENCHMARKS.md: each target is judged from the cells' figures."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dsde_bench import goodput_report
+
+
+def _cell(w: str, b: int, policy: str, tok_s: float, t: float = 0.0, **extra: Any) -> dict[str, Any]:
+    return {"workload": w, "temperature": t, "batch": b, "policy": policy, "label": policy,
+            "metrics": {"output_tok_s": tok_s, "mean_e2e_s": 1.0 / tok_s, "speedup": 1.0}, **extra}
+
+
+def _doc(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"cells": cells, "backend": {}, "meta": {"command": "dsde bench ..."}, "elapsed_s": 1.0}
+
+
+def test_low_acceptance_cell_is_judged_against_target_only() -> None:
+    cells = [_cell("chat", 1, "off", 10.0, 1.0), _cell("chat", 1, "static:2", 8.0, 1.0),
+             _cell("chat", 1, "dsde", 7.0, 1.0), _cell("chat", 1, "dsde-goodput", 9.9, 1.0)]
+    [(name, figure, ok)] = goodput_report.targets({"goodput_lowacc": _doc(cells)})
+    assert name.startswith("low acceptance") and ok and "0.990x" in figure
+    cells[-1]["metrics"]["output_tok_s"] = 9.7
+    assert goodput_report.targets({"g": _doc(cells)})[0][2] is False
+
+
+def test_mixed_must_beat_static_opt_and_dsde_strictly() -> None:
+    cells = [_cell("mixed", 4, "off", 10.0), _cell("mixed", 4, "static:2", 12.0),
+             _cell("mixed", 4, "static-opt", 12.0, static_opt_k=2), _cell("mixed", 4, "dsde", 11.0),
+             _cell("mixed", 4, "dsde-goodput", 12.0)]
+    [(_, _, ok)] = goodput_report.targets({"goodput": _doc(cells)})
+    assert ok is False  # a tie is not "faster than both" on mixed
+    cells[-1]["metrics"]["output_tok_s"] = 12.5
+    assert goodput_report.targets({"goodput": _doc(cells)})[0][2] is True
+
+
+def test_collapse_with_batch_size_is_caught() -> None:
+    cells = [_cell("mixed", b, "dsde-goodput", v) for b, v in ((1, 10.0), (4, 20.0), (16, 17.0))]
+    rows = [t for t in goodput_report.targets({"goodput_batch": _doc(cells)}) if t[0].startswith("no collapse")]
+    assert rows and rows[0][2] is False and "4->16: 0.85x" in rows[0][1]

@@ -1,0 +1,288 @@
+"""The engine's recovery from failed workers, in-process: a fake worker that "dies" (every call raises
+WorkerUnavailable and `available()` is False), then "restarts" (a fresh worker over a fresh KV cache, all slots
+lost), exactly what a Ray actor restart looks like through services.proxies.
+
+At temperature 0 every request still ends with the target-only output, token for token, nothing repeated or
+missing; the state of every party is freed at the end; a target that does not come back in time ends each
+request with a clear error."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from dsde_core.config import EngineConfig, SamplingParams
+from dsde_core.engine import Engine
+from dsde_core.errors import WorkerUnavailable
+from dsde_core.models.runner import ModelRunner
+from dsde_core.policies import make_policy
+from dsde_core.request import RequestOutput
+from dsde_core.workers import DraftWorker, TargetWorker
+from tests.tiny import IdTokenizer, random_prompts, tiny_engine, tiny_pair
+
+BATCH, SEQ = 4, 256
+PROMPTS = random_prompts(8, seed=11)
+MAX_TOKENS = [20 + 5 * i for i in range(len(PROMPTS))]  # 20..55
+
+
+class Flaky:
+    """A worker (or policy) that can die and restart. Dead: every call raises WorkerUnavailable and available()
+    is False. restart(): a fresh inner object (empty caches, no slots, no per-request state)."""
+
+    def __init__(self, role: str, factory: Callable[[], Any]) -> None:
+        self.role, self.factory = role, factory
+        self.inner = factory()
+        self.dead = False
+        self.calls: dict[str, int] = {}
+        self.kill_at: tuple[str, int] | None = None  # die on the n-th call of a method (1-based)
+        self.restart_after_probes: int | None = None  # come back after this many available() calls
+        self.probes = 0
+        self.restarts = 0
+
+    def kill(self) -> None:
+        self.dead = True
+        self.probes = 0
+
+    def restart(self) -> None:
+        self.inner = self.factory()
+        self.dead = False
+        self.restarts += 1
+
+    def available(self) -> bool:
+        if self.dead:
+            self.probes += 1
+            if self.restart_after_probes is not None and self.probes >= self.restart_after_probes:
+                self.restart()
+        return not self.dead
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if not callable(attr) or name in ("num_open", "num_tracked"):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            if self.kill_at == (name, self.calls[name]):
+                self.kill()
+            if self.dead:
+                raise WorkerUnavailable(self.role, f"{name}: the actor died")
+            return getattr(self.inner, name)(*args, **kwargs)
+
+        return call
+
+
+def _engine(policy: str = "static:4", wait_s: float = 30.0, flaky: tuple[str, ...] = ("draft", "target", "policy"),
+            ) -> tuple[Engine, dict[str, Flaky]]:
+    target_model, draft_model = tiny_pair()
+    cfg = EngineConfig(max_batch_size=BATCH, max_seq_len=SEQ, dtype="float32", worker_wait_s=wait_s,
+                       worker_probe_s=0.001)
+    factories: dict[str, Callable[[], Any]] = {
+        "target": lambda: TargetWorker(ModelRunner(target_model, BATCH, SEQ)),
+        "draft": lambda: DraftWorker(ModelRunner(draft_model, BATCH, SEQ), cfg.draft_top_k),
+        "policy": lambda: make_policy(policy),
+    }
+    parties = {role: Flaky(role, f) if role in flaky else f() for role, f in factories.items()}
+    engine = Engine(parties["target"], parties["draft"], parties["policy"], IdTokenizer(), cfg, vocab_size=96)
+    return engine, {r: p for r, p in parties.items() if isinstance(p, Flaky)}
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    engine = tiny_engine("off", batch=1, with_draft=False)
+    out = []
+    for p, m in zip(PROMPTS, MAX_TOKENS, strict=True):
+        r = engine.add_request(p, SamplingParams(max_tokens=m))
+        engine.run()
+        out.append(r.output_ids)
+    return out
+
+
+def _add_all(engine: Engine, emitted: dict[str, list[int]]) -> list[Any]:
+    def sink(out: RequestOutput) -> None:
+        emitted.setdefault(out.req_id, []).extend(out.token_ids)
+
+    return [engine.add_request(p, SamplingParams(max_tokens=m), on_output=sink)
+            for p, m in zip(PROMPTS, MAX_TOKENS, strict=True)]
+
+
+def _run_bounded(engine: Engine, steps: int = 2000) -> None:
+    for _ in range(steps):
+        if not engine.has_unfinished():
+            return
+        engine.step()
+    raise AssertionError("the engine did not finish its requests")
+
+
+def _assert_all_freed(engine: Engine, parties: dict[str, Any]) -> None:
+    assert not engine.running and not engine.waiting and not engine.requests
+    assert len(engine.free_slots) == BATCH
+    for role in ("target", "draft"):
+        if role in parties and not parties[role].dead:
+            assert parties[role].num_open() == 0, role
+    if "policy" in parties and not parties["policy"].dead:
+        assert parties["policy"].num_tracked() == 0
+    assert all(not h.pending for h in engine.health.values() if not h.down)
+
+
+def test_draft_failure_continues_target_only_then_speculation_resumes(reference: list[list[int]]) -> None:
+    engine, parties = _engine()
+    draft = parties["draft"]
+    draft.kill_at = ("propose", 4)  # dies in the middle of the 4th step that drafts
+    draft.restart_after_probes = 5  # and comes back (with empty caches, no slots) a few steps later
+    recovered: list[str] = []
+    engine.recovery_hooks.append(recovered.append)
+    emitted: dict[str, list[int]] = {}
+    reqs = _add_all(engine, emitted)
+    drafted_at_recovery = None
+    for _ in range(2000):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+        if drafted_at_recovery is None and recovered:
+            drafted_at_recovery = sum(r.stats.drafted for r in reqs)
+    assert [r.output_ids for r in reqs] == reference
+    assert [emitted[r.req_id] for r in reqs] == reference  # streamed: nothing repeated, nothing missing
+    assert draft.restarts == 1 and recovered == ["draft"]
+    h = engine.health["draft"]
+    assert h.failures == 1 and h.recoveries == 1 and not h.down
+    assert drafted_at_recovery is not None and sum(r.stats.drafted for r in reqs) > drafted_at_recovery  # resumed
+    assert any(k == 0 for r in reqs for k in r.stats.sl)  # target-only steps while the draft was away
+    _assert_all_freed(engine, parties)
+
+
+def test_draft_that_never_comes_back_leaves_target_only_decoding(reference: list[list[int]]) -> None:
+    engine, parties = _engine("dsde")
+    parties["draft"].kill_at = ("propose", 2)
+    reqs = _add_all(engine, {})
+    _run_bounded(engine)
+    assert [r.output_ids for r in reqs] == reference
+    assert engine.health["draft"].down and all(r.finish_reason == "length" for r in reqs)
+    assert parties["draft"].calls["propose"] == 2  # no call to a dead draft after the failure; probes only
+    # the slots released while the draft was down wait for it; everything else is free
+    assert engine.health["draft"].pending == set(range(BATCH))
+    parties["draft"].restart()
+    engine.step()  # nothing to run: the probe brings the draft back and flushes its deferred releases
+    assert not engine.health["draft"].down and not engine.health["draft"].pending
+    _assert_all_freed(engine, parties)
+
+
+@pytest.mark.parametrize("when", [("verify", 3), ("verify", 9), ("open", 2)])
+def test_target_failure_reprefills_and_continues_exactly(reference: list[list[int]], when: tuple[str, int]) -> None:
+    engine, parties = _engine("dsde")
+    target = parties["target"]
+    target.kill_at = when
+    target.restart_after_probes = 4
+    emitted: dict[str, list[int]] = {}
+    reqs = _add_all(engine, emitted)
+    _run_bounded(engine)
+    assert [r.output_ids for r in reqs] == reference
+    assert [emitted[r.req_id] for r in reqs] == reference
+    assert target.restarts == 1 and engine.health["target"].recoveries == 1
+    assert all(r.finish_reason == "length" for r in reqs)
+    _assert_all_freed(engine, parties)
+
+
+def test_silent_restart_is_found_by_lost_slots_and_recovered(reference: list[list[int]]) -> None:
+    """A worker restarted between two steps answers, but without the slots: WorkerStateLost, then a resync."""
+    engine, parties = _engine()
+    reqs = _add_all(engine, {})
+    for _ in range(3):
+        engine.step()
+    parties["target"].restart()
+    parties["draft"].restart()
+    _run_bounded(engine)
+    assert [r.output_ids for r in reqs] == reference
+    assert engine.health["target"].recoveries == 1 and engine.health["draft"].recoveries == 1
+    assert "not open" in engine.health["target"].last_error
+    _assert_all_freed(engine, parties)
+
+
+def test_target_that_does_not_come_back_ends_each_request_with_an_error() -> None:
+    engine, parties = _engine("dsde", wait_s=0.3)
+    parties["target"].kill_at = ("verify", 3)
+    outs: dict[str, RequestOutput] = {}
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=m), on_output=lambda o: outs.__setitem__(o.req_id, o))
+            for p, m in zip(PROMPTS, MAX_TOKENS, strict=True)]
+    t0 = time.perf_counter()
+    _run_bounded(engine, steps=10_000)
+    took = time.perf_counter() - t0
+    assert 0.3 <= took < 5  # the configured wait, not a hang
+    for r in reqs:
+        assert r.finish_reason == "error" and "did not come back within 0.3s" in r.error
+        assert outs[r.req_id].finished and outs[r.req_id].error_type == "unavailable"
+    assert not engine.running and not engine.waiting and not engine.requests and len(engine.free_slots) == BATCH
+    assert parties["policy"].num_tracked() == 0
+    # the target comes back later: deferred releases go out, and new requests are served
+    parties["target"].restart()
+    r = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS[0]))
+    _run_bounded(engine)
+    assert r.finish_reason == "length" and len(r.output_ids) == MAX_TOKENS[0]
+    _assert_all_freed(engine, parties)
+
+
+def test_policy_failure_plans_target_only_and_rebuilds_its_state(reference: list[list[int]]) -> None:
+    engine, parties = _engine("dsde")
+    policy = parties["policy"]
+    policy.kill_at = ("plan", 5)
+    policy.restart_after_probes = 3
+    reqs = _add_all(engine, {})
+    steps_down = 0
+    for _ in range(2000):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+        steps_down += engine.health["policy"].down
+    assert [r.output_ids for r in reqs] == reference
+    assert policy.restarts == 1 and engine.health["policy"].recoveries == 1 and steps_down >= 1
+    assert sum(r.stats.drafted for r in reqs) > 0
+    _assert_all_freed(engine, parties)
+
+
+def test_cancel_while_the_target_is_down_frees_everything() -> None:
+    engine, parties = _engine("dsde")
+    parties["target"].kill_at = ("verify", 2)
+    reqs = _add_all(engine, {})
+    for _ in range(3):
+        engine.step()
+    assert engine.health["target"].down and engine.running
+    for r in reqs:
+        engine.cancel(r.req_id)
+    engine.step()
+    assert all(r.finish_reason == "cancelled" for r in reqs)
+    assert not engine.running and not engine.waiting and not engine.requests and len(engine.free_slots) == BATCH
+    assert engine.health["target"].pending  # its releases wait for it
+    parties["target"].restart()
+    engine.step()
+    _assert_all_freed(engine, parties)
+
+
+def test_sampling_survives_both_workers_failing() -> None:
+    """T > 0: the output distribution stays the target's (rejection sampling with any draft); here: every request
+    completes with its full length after the draft and then the target fail and restart."""
+    engine, parties = _engine("dsde")
+    parties["draft"].kill_at = ("propose", 3)
+    parties["draft"].restart_after_probes = 2
+    parties["target"].kill_at = ("verify", 8)
+    parties["target"].restart_after_probes = 2
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=0.8, seed=i))
+            for i, (p, m) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True))]
+    _run_bounded(engine)
+    assert all(r.finish_reason == "length" and len(r.output_ids) == r.params.max_tokens for r in reqs)
+    assert engine.health["draft"].recoveries == 1 and engine.health["target"].recoveries == 1
+    _assert_all_freed(engine, parties)
+
+
+def test_state_reports_counts_and_health() -> None:
+    engine, parties = _engine()
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=30))
+    engine.step()
+    s = engine.state()
+    assert s["running"] == 1 and s["requests"] == 1 and s["slots_in_use"] == 1
+    assert s["workers"]["target"]["up"] and s["workers"]["draft"]["failures"] == 0
+    parties["draft"].kill()
+    engine.step()
+    s = engine.state()
+    assert not s["workers"]["draft"]["up"] and "died" in s["workers"]["draft"]["last_error"]
