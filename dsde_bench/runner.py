@@ -34,8 +34,10 @@ from dsde_core.policies import make_policy
 STATIC_KS: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
 FULL_POLICIES: tuple[str, ...] = (
     "off", *(f"static:{k}" for k in STATIC_KS), "heuristic", "adaedl", "acceptance", "dsde-nocap", "dsde",
+    "dsde-goodput",
 )
-SMALL_POLICIES: tuple[str, ...] = ("off", "static:2", "static:4", "heuristic", "adaedl", "dsde-nocap", "dsde")
+SMALL_POLICIES: tuple[str, ...] = ("off", "static:2", "static:4", "heuristic", "adaedl", "dsde-nocap", "dsde",
+                                   "dsde-goodput")
 
 LABELS = {
     "off": "target-only",
@@ -45,6 +47,7 @@ LABELS = {
     "dsde-nocap": "DSDE, no cap",
     "dsde": "DSDE + cap",
     "dsde-paper": "DSDE (paper parameters) + cap",
+    "dsde-goodput": "dsde-goodput (cost-aware)",
     "hf-assisted": "transformers assisted (default)",
     "hf-assisted-heuristic": "transformers assisted (heuristic)",
     "hf-generate": "transformers generate (no assistant)",

@@ -86,6 +86,17 @@ class ServiceMetrics:
             else:
                 self.m[name] = rm.Histogram(name, desc, boundaries=buckets, tag_keys=keys)
             self.m[name].set_default_tags(self.tags)
+        self._gauges: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}  # last value of each gauge series
+
+    def _set(self, name: str, value: float, **tags: str) -> None:
+        self._gauges[name, tuple(sorted(tags.items()))] = value
+        self.m[name].set(value, tags=tags or None)
+
+    def refresh(self) -> None:
+        """Set every gauge to its last value again: Ray stops exporting a gauge series that nobody sets for a while,
+        so an idle service would lose `requests running = 0`, the cap and the cost model (called on a timer)."""
+        for (name, tags), value in list(self._gauges.items()):
+            self.m[name].set(value, tags=dict(tags) or None)
 
     def _inc(self, name: str, value: float, **tags: str) -> None:
         if value > 0:
@@ -117,20 +128,20 @@ class ServiceMetrics:
 
     # ---- per step (engine thread) -------------------------------------------------------------------
     def on_load(self, running: int, waiting: int, slots_in_use: int) -> None:
-        self.m["dsde_num_requests_running"].set(running)
-        self.m["dsde_num_requests_waiting"].set(waiting)
-        self.m["dsde_kv_slots_in_use"].set(slots_in_use)
+        self._set("dsde_num_requests_running", running)
+        self._set("dsde_num_requests_waiting", waiting)
+        self._set("dsde_kv_slots_in_use", slots_in_use)
 
     def on_workers(self, up: dict[str, bool]) -> None:
         for role, ok in up.items():
-            self.m["dsde_worker_up"].set(1 if ok else 0, tags={"worker": role})
+            self._set("dsde_worker_up", 1 if ok else 0, worker=role)
 
     def on_costs(self, costs: StepCosts) -> None:
         """The engine's online step-cost model at the current batch size (what cost-aware policies plan with)."""
-        self.m["dsde_cost_verify_seconds"].set(costs.verify_s)
-        self.m["dsde_cost_verify_per_token_seconds"].set(costs.verify_per_token_s)
-        self.m["dsde_cost_draft_forward_seconds"].set(costs.draft_fwd_s)
-        self.m["dsde_cost_draft_per_token_seconds"].set(costs.draft_per_token_s)
+        self._set("dsde_cost_verify_seconds", costs.verify_s)
+        self._set("dsde_cost_verify_per_token_seconds", costs.verify_per_token_s)
+        self._set("dsde_cost_draft_forward_seconds", costs.draft_fwd_s)
+        self._set("dsde_cost_draft_per_token_seconds", costs.draft_per_token_s)
 
     def on_plan(self, plans: Sequence[Plan]) -> None:
         sl = self.m["dsde_sl_chosen"]
@@ -161,7 +172,7 @@ class ServiceMetrics:
             self._inc("dsde_spec_decode_num_draft_tokens_per_pos", d, position=str(j))
             self._inc("dsde_spec_decode_num_accepted_tokens_per_pos", a, position=str(j))
         if telemetry is not None:
-            self.m["dsde_sl_cap"].set(telemetry.cap or 0)
+            self._set("dsde_sl_cap", telemetry.cap or 0)
             for w in telemetry.wvir:
                 self.m["dsde_wvir"].observe(w)
 

@@ -54,7 +54,8 @@ def ray_env() -> dict[str, str]:
     return env
 
 
-def _session_pids(sid: int) -> list[int]:
+def session_pids(sid: int) -> list[int]:
+    """Processes of session `sid` (Ray's workers have their own process groups, not sessions)."""
     pids = []
     for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
         with contextlib.suppress(OSError):
@@ -73,8 +74,8 @@ def stop_session(proc: subprocess.Popen, grace: float = 30) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(wait)
     with contextlib.suppress(AssertionError):
-        wait_for(lambda: not _session_pids(proc.pid), 20, what="the session's processes to exit")
-    for pid in _session_pids(proc.pid):
+        wait_for(lambda: not session_pids(proc.pid), 20, what="the session's processes to exit")
+    for pid in session_pids(proc.pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 

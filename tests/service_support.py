@@ -4,7 +4,6 @@ bounded polling. Not a conftest (tests/conftest.py belongs to the engine tests);
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
 import urllib.error
@@ -99,9 +98,3 @@ def http_post(url: str, body: Any, timeout: float = 120, raw: bytes | None = Non
             return r.status, json.loads(r.read().decode())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read().decode())
-
-
-def env_without_ray_address() -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("RAY_ADDRESS", None)
-    return env

@@ -89,3 +89,20 @@ def test_timing_noise_and_identical_schedules() -> None:
     t = report.bench_targets({"cells": cells})
     cap = [x for x in t if x[0].startswith("cap raises")]
     assert cap and cap[0][2] is None and "never bound" in cap[0][1]
+
+
+def test_cap_target_at_batch_16_comes_from_another_run(tmp_path) -> None:
+    """The main grid stops at batch 4; the batch-size run (results/goodput_batch.json) reaches 16 and speaks to the
+    cap target, judged from its numbers and named with its file."""
+    res = tmp_path / "results"
+    res.mkdir()
+    small = _bench_doc()
+    small["cells"] = [c for c in small["cells"] if c["batch"] == 1]
+    batch = {"kind": "bench", "cells": [_cell("mixed", p, 1.0, tps, 16, requests=[{"sl": sl}])
+                                        for p, tps, sl in (("off", 30.0, []), ("dsde-nocap", 40.0, [8, 8]),
+                                                           ("dsde", 36.0, [4, 4]), ("dsde-goodput", 45.0, [2]))]}
+    (res / "bench.json").write_text(json.dumps(small))
+    (res / "goodput_batch.json").write_text(json.dumps(batch))
+    page = report.write(res, tmp_path / "BENCHMARKS.md").read_text()
+    [line] = [ln for ln in page.splitlines() if "cap raises throughput at batch 16" in ln]
+    assert "goodput_batch.json" in line and "0.900x no-cap" in line and line.rstrip().endswith("| no |"), line

@@ -179,17 +179,24 @@ async def stream(client: Any, url: str, body: dict[str, Any], headers: dict[str,
     return res
 
 
+async def _streams_under_way(client: httpx.AsyncClient, svc: Service, prompts: list[str],
+                             max_tokens: int) -> list[asyncio.Task[StreamResult]]:
+    """One greedy stream per prompt, returned once every stream has produced text."""
+    firsts = [asyncio.Event() for _ in prompts]
+    tasks = [asyncio.create_task(stream(client, f"{svc.v1}/completions",
+                                        {"model": MODEL, "prompt": p, "max_tokens": max_tokens, "temperature": 0},
+                                        first_chunk=ev))
+             for p, ev in zip(prompts, firsts, strict=True)]
+    await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in firsts)), TIMEOUT)
+    return tasks
+
+
 def _streams_with_kill(svc: Service, role: str, prompts: list[str], max_tokens: int) -> list[StreamResult]:
     """Start one stream per prompt; once every stream has produced text, kill `role` (Ray restarts it)."""
 
     async def main() -> list[StreamResult]:
         async with httpx.AsyncClient(timeout=TIMEOUT) as client:
-            firsts = [asyncio.Event() for _ in prompts]
-            tasks = [asyncio.create_task(stream(client, f"{svc.v1}/completions",
-                                                {"model": MODEL, "prompt": p, "max_tokens": max_tokens,
-                                                 "temperature": 0}, first_chunk=ev))
-                     for p, ev in zip(prompts, firsts, strict=True)]
-            await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in firsts)), TIMEOUT)
+            tasks = await _streams_under_way(client, svc, prompts, max_tokens)
             assert not any(t.done() for t in tasks), "the streams ended before the kill: make them longer"
             ray.kill(actor, no_restart=False)
             return await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT)
@@ -457,12 +464,7 @@ def test_drain_refuses_new_requests_and_lets_running_ones_finish(svc: Service, r
 
     async def main() -> tuple[list[StreamResult], Any, int]:
         async with httpx.AsyncClient(timeout=TIMEOUT) as client:
-            firsts = [asyncio.Event() for _ in prompts]
-            tasks = [asyncio.create_task(stream(client, f"{svc.v1}/completions",
-                                                {"model": MODEL, "prompt": p, "max_tokens": max_tokens,
-                                                 "temperature": 0}, first_chunk=ev))
-                     for p, ev in zip(prompts, firsts, strict=True)]
-            await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in firsts)), TIMEOUT)
+            tasks = await _streams_under_way(client, svc, prompts, max_tokens)
             in_flight = await asyncio.to_thread(lambda: serve.get_app_handle("rel").drain.remote().result())
             refused = await client.post(f"{svc.v1}/completions", headers=AUTH,
                                         json={"model": MODEL, "prompt": "new", "max_tokens": 4})

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.service_support import env_without_ray_address, free_port, make_tiny_pair, wait_for
-from tests.test_service_deploy import _session_pids, _stop_group
+from tests.ops_support import ray_env, session_pids, stop_session
+from tests.service_support import free_port, make_tiny_pair, wait_for
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("ray.serve")
@@ -30,7 +30,7 @@ def test_sigterm_drains_running_streams_refuses_new_requests_and_exits_cleanly(t
     cmd = [str(BIN / "dsde"), "serve", "--draft", str(draft), "--target", str(target), "--model-name", "tiny",
            "--dtype", "float32", "--max-batch-size", "4", "--max-seq-len", "1024", "--threads", "1",
            "--port", str(port), "--metrics-port", str(metrics_port), "--num-cpus", "2", "--api-key", KEY]
-    env = dict(env_without_ray_address(), RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    env = ray_env()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     lines: list[str] = []
@@ -83,7 +83,7 @@ def test_sigterm_drains_running_streams_refuses_new_requests_and_exits_cleanly(t
         print(f"SIGTERM -> exit in {time.monotonic() - t0:.1f}s; " + " | ".join(
             line.strip() for line in lines if "drain" in line or "stopping" in line))
         assert any("drained" in line for line in lines), "".join(lines)
-        wait_for(lambda: not _session_pids(proc.pid), 30, what="every Ray process of `dsde serve` to exit")
+        wait_for(lambda: not session_pids(proc.pid), 30, what="every Ray process of `dsde serve` to exit")
     finally:
-        _stop_group(proc, grace=10)
+        stop_session(proc, grace=10)
         reader.join(5)

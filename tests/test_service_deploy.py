@@ -10,23 +10,19 @@ Slow (a cluster start each); the config is deploy/config.yaml itself with only p
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from tests.ops_support import ray_env, ray_head, session_pids, stop_session
 from tests.service_support import free_port, http_get, http_post, make_tiny_pair, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,66 +35,8 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return make_tiny_pair(tmp_path_factory.mktemp("tiny-models-deploy"))
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
-    env.pop("RAY_ADDRESS", None)
-    return env
-
-
-def _session_pids(sid: int) -> list[int]:
-    """Processes of the session this test started (Ray's workers have their own process groups, not sessions)."""
-    pids = []
-    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
-        with contextlib.suppress(OSError):
-            if os.getsid(pid) == sid:
-                pids.append(pid)
-    return pids
-
-
-def _stop_group(proc: subprocess.Popen, grace: float = 60) -> None:
-    """SIGINT, then SIGTERM, then SIGKILL to the session this test started (and only that session)."""
-    for sig, wait in ((signal.SIGINT, grace), (signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-        if proc.poll() is not None:
-            break
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(wait)
-    with contextlib.suppress(AssertionError):
-        wait_for(lambda: not _session_pids(proc.pid), 20, what="the session's processes to exit")
-    for pid in _session_pids(proc.pid):  # stragglers once the leader is gone
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
-@contextlib.contextmanager
-def ray_head() -> Iterator[dict[str, Any]]:
-    """`ray start --head --block` in its own session and temp dir; yields its addresses."""
-    temp_dir = tempfile.mkdtemp(prefix="rdsde", dir="/tmp")  # short: Ray's socket paths have a length limit
-    ports = {name: free_port() for name in ("gcs", "dashboard", "client", "metrics", "agent", "agent_grpc",
-                                            "runtime_env", "node_manager", "object_manager")}
-    cmd = [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2", f"--temp-dir={temp_dir}",
-           f"--port={ports['gcs']}", "--dashboard-host=127.0.0.1", f"--dashboard-port={ports['dashboard']}",
-           f"--ray-client-server-port={ports['client']}", f"--metrics-export-port={ports['metrics']}",
-           f"--dashboard-agent-listen-port={ports['agent']}", f"--dashboard-agent-grpc-port={ports['agent_grpc']}",
-           f"--runtime-env-agent-port={ports['runtime_env']}", f"--node-manager-port={ports['node_manager']}",
-           f"--object-manager-port={ports['object_manager']}", "--object-store-memory=268435456",
-           "--disable-usage-stats"]
-    log = open(Path(temp_dir) / "ray-start.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
-    dashboard = f"http://127.0.0.1:{ports['dashboard']}"
-    try:
-        wait_for(lambda: proc.poll() is None and http_get(f"{dashboard}/api/version", timeout=5)[0] == 200, 120,
-                 interval=1, what="ray start --head")
-        yield {"dashboard": dashboard, "gcs": f"127.0.0.1:{ports['gcs']}", "temp_dir": temp_dir}
-    finally:
-        _stop_group(proc)
-        log.close()
-        shutil.rmtree(temp_dir, ignore_errors=True)
-
-
 def _serve_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "serve"), *args], capture_output=True, text=True, timeout=timeout, env=_env())
+    return subprocess.run([str(BIN / "serve"), *args], capture_output=True, text=True, timeout=timeout, env=ray_env())
 
 
 def _app_status(dashboard: str) -> str:
@@ -128,9 +66,9 @@ def test_serve_deploy_config_reaches_running_and_reconfigures_live(tiny_models: 
     body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 12, "temperature": 0}
 
     with ray_head() as head:
-        res = _serve_cli("deploy", str(path), "-a", head["dashboard"])
+        res = _serve_cli("deploy", str(path), "-a", head.dashboard)
         assert res.returncode == 0, res.stdout + res.stderr
-        wait_for(lambda: _app_status(head["dashboard"]) == "RUNNING", 300, interval=2, what="RUNNING")
+        wait_for(lambda: _app_status(head.dashboard) == "RUNNING", 300, interval=2, what="RUNNING")
         code, out = http_post(f"{base}/v1/completions", body)
         assert code == 200 and out["choices"][0]["text"] and out["speculation"]["drafted"] > 0, out
         before = _health(base)
@@ -138,13 +76,13 @@ def test_serve_deploy_config_reaches_running_and_reconfigures_live(tiny_models: 
 
         app["deployments"][0]["user_config"] = {"policy": "off"}
         path.write_text(yaml.safe_dump(config))
-        res = _serve_cli("deploy", str(path), "-a", head["dashboard"])
+        res = _serve_cli("deploy", str(path), "-a", head.dashboard)
         assert res.returncode == 0, res.stdout + res.stderr
         wait_for(lambda: _health(base).get("policy") == "off", 120, interval=1, what="the new policy")
         code, out = http_post(f"{base}/v1/completions", body)
         assert code == 200 and out["speculation"]["drafted"] == 0, out
         assert _health(base)["started"] == before["started"]  # the same replica: the models were not reloaded
-        _serve_cli("shutdown", "-a", head["dashboard"], "-y", timeout=120)
+        _serve_cli("shutdown", "-a", head.dashboard, "-y", timeout=120)
 
 
 def test_dsde_serve_answers_and_stops_cleanly_on_sigterm(tiny_models: tuple[Path, Path]) -> None:
@@ -153,7 +91,7 @@ def test_dsde_serve_answers_and_stops_cleanly_on_sigterm(tiny_models: tuple[Path
     cmd = [str(BIN / "dsde"), "serve", "--draft", str(draft), "--target", str(target), "--model-name", "tiny",
            "--dtype", "float32", "--max-batch-size", "2", "--max-seq-len", "256", "--threads", "1",
            "--port", str(port), "--metrics-port", str(metrics_port), "--num-cpus", "2"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ray_env(),
                             start_new_session=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
@@ -173,7 +111,7 @@ def test_dsde_serve_answers_and_stops_cleanly_on_sigterm(tiny_models: tuple[Path
         with pytest.raises(OSError):
             http_get(f"http://127.0.0.1:{port}/health", timeout=5)  # nothing listens any more
         assert any("stopping" in line for line in lines)
-        wait_for(lambda: not _session_pids(proc.pid), 30, what="every Ray process of `dsde serve` to exit")
+        wait_for(lambda: not session_pids(proc.pid), 30, what="every Ray process of `dsde serve` to exit")
     finally:
-        _stop_group(proc, grace=10)
+        stop_session(proc, grace=10)
         reader.join(5)
