@@ -66,17 +66,18 @@ bench-sim: models
 # The published figures (issues 4 and 7, then BENCHMARKS.md). One grid run of every policy, dsde-goodput and
 # transformers' assisted generation on four workloads at T=0 (results/bench.json); the low-acceptance regime (chat at
 # T=1, and a deliberately weak draft); throughput against batch size up to 16 (the cap, and no collapse).
-GP_POLICIES := off,static:1,static:2,static:3,static:4,static:6,dsde,dsde-goodput
-GP_COMMON := --no-anchor --no-plots --no-progress --no-report --num-prompts 4 --max-tokens 64
+GP_POLICIES := off,static:1,static:2,static:4,dsde,dsde-goodput
+GRID_POLICIES := off,static:1,static:2,static:3,static:4,static:6,heuristic,adaedl,dsde-nocap,dsde,dsde-goodput
+GP_COMMON := --no-anchor --no-plots --no-progress --no-report --num-prompts 4 --max-tokens 48
 bench-goodput: models
-	$(VENV)/bin/dsde bench --no-progress --no-report --num-prompts 4 --max-tokens 64 --workloads code,chat,math,mixed \
-	  --batch-sizes 1,4 --temperatures 0 --policies all --out results/bench.json
+	$(VENV)/bin/dsde bench --no-progress --no-report --num-prompts 4 --max-tokens 48 --workloads code,chat,mixed \
+	  --batch-sizes 1,4 --temperatures 0 --policies $(GRID_POLICIES) --out results/bench.json
 	$(VENV)/bin/dsde bench $(GP_COMMON) --workloads chat --batch-sizes 1,4 --temperatures 1 \
 	  --policies $(GP_POLICIES) --out results/goodput_lowacc.json
 	$(VENV)/bin/dsde bench $(GP_COMMON) --workloads mixed --batch-sizes 1,4 --temperatures 0 --draft-noise 4 \
 	  --policies $(GP_POLICIES) --out results/goodput_weak.json
-	$(VENV)/bin/dsde bench --no-anchor --no-plots --no-progress --no-report --num-prompts 16 --max-tokens 48 \
-	  --workloads mixed --batch-sizes 1,2,4,8,16 --temperatures 0 --policies off,static:2,dsde-nocap,dsde,dsde-goodput \
+	$(VENV)/bin/dsde bench --no-anchor --no-plots --no-progress --no-report --num-prompts 16 --max-tokens 32 \
+	  --workloads mixed --batch-sizes 1,4,8,16 --temperatures 0 --policies off,dsde-nocap,dsde,dsde-goodput \
 	  --out results/goodput_batch.json
 	$(PY) -m dsde_bench report
 

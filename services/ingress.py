@@ -310,8 +310,9 @@ class DSDEServer:
         failure (the engine waits for it); one that used up its restarts is: Serve then replaces the replica."""
         if not self.aengine.alive:
             raise RuntimeError("the engine loop is not running")
-        self._load()  # the gauges, also while idle (Serve calls this every health_check_period_s)
-        self.metrics.refresh()
+        with contextlib.suppress(Exception):  # the gauges, also while idle; never a reason to fail the check
+            self._load()
+            self.metrics.refresh()
         for name, actor in self.actors.named().items():
             try:
                 await asyncio.wait_for(actor.ping.remote(), timeout=30)

@@ -25,6 +25,12 @@ def test_low_acceptance_cell_is_judged_against_target_only() -> None:
     assert goodput_report.targets({"g": _doc(cells)})[0][2] is False
 
 
+def test_a_run_without_static_k_does_not_judge_low_acceptance() -> None:
+    """DSDE below target-only alone does not make a low-acceptance regime: every static k must be below it too."""
+    cells = [_cell("mixed", 8, "off", 10.0), _cell("mixed", 8, "dsde", 9.0), _cell("mixed", 8, "dsde-goodput", 9.5)]
+    assert goodput_report.targets({"goodput_batch": _doc(cells)}) == []
+
+
 def test_mixed_must_beat_static_opt_and_dsde_strictly() -> None:
     cells = [_cell("mixed", 4, "off", 10.0), _cell("mixed", 4, "static:2", 12.0),
              _cell("mixed", 4, "static-opt", 12.0, static_opt_k=2), _cell("mixed", 4, "dsde", 11.0),

