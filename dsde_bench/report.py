@@ -549,16 +549,16 @@ def render(results_dir: str | Path = "results", page_dir: str | Path = ".") -> s
               + "\n".join(cmds) + "\npython -m dsde_bench report                        # this page\n```\n")
              if cmds else ""]
     goodput = {p.stem: doc for p in sorted(d.glob("goodput*.json")) if (doc := load(p))}
-    if bench and any(c["policy"] == "dsde-goodput" for c in bench["cells"]):
-        goodput = {"bench": bench, **goodput}  # the main grid speaks to issue 7 too when it ran dsde-goodput
     if bench:
-        parts.append(bench_section(bench, {k: v for k, v in goodput.items() if k != "bench"}))
+        parts.append(bench_section(bench, goodput))
     if sim:
         parts.append(simulate_section(sim))
     if serve:
         parts.append(serve_section(serve))
     from dsde_bench import goodput_report  # imports this module's helpers
 
+    if bench and any(c["policy"] == "dsde-goodput" for c in bench["cells"]):
+        goodput = {"bench": bench, **goodput}  # the main grid speaks to issue 7 too when it ran dsde-goodput
     parts.append(goodput_report.section(goodput, sim))
     if perf:
         parts.append(perf_section(perf))

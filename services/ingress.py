@@ -311,8 +311,8 @@ class DSDEServer:
         if not self.aengine.alive:
             raise RuntimeError("the engine loop is not running")
         with contextlib.suppress(Exception):  # the gauges, also while idle; never a reason to fail the check
-            self._load()
-            self.metrics.refresh()
+            self.metrics.on_load(*self._load())  # current values of the load and worker gauges
+            self.metrics.refresh()  # the last values of the others (cap, cost model)
         for name, actor in self.actors.named().items():
             try:
                 await asyncio.wait_for(actor.ping.remote(), timeout=30)
