@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= Write a Python function that returns the n-th Fibonacci number, with a docstring and type hints.
 
-.PHONY: setup models run generate test lint bench bench-sim bench-goodput benchmarks-md perf clean dashboards load-test
+.PHONY: setup models run generate test lint bench bench-sim bench-goodput bench-dsde-bound benchmarks-md perf clean dashboards load-test
 
 PROMETHEUS := $(VENV)/opt/prometheus/.installed
 
@@ -79,6 +79,19 @@ bench-goodput: models
 	$(VENV)/bin/dsde bench --no-anchor --no-plots --no-progress --no-report --num-prompts 16 --max-tokens 32 \
 	  --workloads mixed --batch-sizes 1,4,8,16 --temperatures 0 --policies off,dsde-nocap,dsde,dsde-goodput \
 	  --out results/goodput_batch.json
+	$(PY) -m dsde_bench report
+
+# DSDE's bound on SL_max for this machine: picked on seed 2's prompts (dsde_bench/bound.py), reported on seed 1's
+# beside the static sweep and transformers' assisted generation (results/dsde_bound*.json, BENCHMARKS.md).
+BOUND_COMMON := --no-plots --no-progress --no-report --num-prompts 4 --max-tokens 48 --workloads code,chat,mixed \
+  --temperatures 0
+bench-dsde-bound: models
+	$(VENV)/bin/dsde bench $(BOUND_COMMON) --no-anchor --batch-sizes 1 --seed 2 --repeats 2 \
+	  --policies off,dsde:3,dsde:4,dsde:6,dsde:8,dsde:12,dsde --out results/dsde_bound_pick.json
+	N=$$($(PY) -m dsde_bench.bound results/dsde_bound_pick.json) && echo "picked dsde:$$N" && \
+	$(VENV)/bin/dsde bench $(BOUND_COMMON) --anchor hf-assisted --batch-sizes 1,4 --seed 1 \
+	  --policies off,static:1,static:2,static:3,static:4,static:6,dsde,dsde-nocap:$$N,dsde:$$N \
+	  --out results/dsde_bound.json
 	$(PY) -m dsde_bench report
 
 benchmarks-md: setup

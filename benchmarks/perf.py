@@ -83,6 +83,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--policies", default="off,dsde,static:4")
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch-policies", default="off,dsde", help="policies of the batch-1 against batch-N figures")
     ap.add_argument("--out", default="results/perf.json")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -111,7 +112,8 @@ def main() -> None:
 
     results["batch"] = {}
     batch_ids = [llm.encode(p, chat=True) for p in BATCH_PROMPTS[: args.batch]]
-    for policy in ("off", "dsde"):
+    batch_policies = args.batch_policies.split(",")
+    for policy in batch_policies:
         for bs in (1, args.batch):
             def run(policy=policy, bs=bs) -> list[int]:
                 outs = llm.generate(batch_ids[:bs], params, policy=policy)
@@ -120,7 +122,7 @@ def main() -> None:
             results["batch"][f"{policy}@{bs}"] = r
             print(f"batch {bs:2} {policy:6} throughput {r:7.2f} tok/s")
             sys.stdout.flush()
-    for policy in ("off", "dsde"):
+    for policy in batch_policies:
         ratio = results["batch"][f"{policy}@{args.batch}"] / results["batch"][f"{policy}@1"]
         print(f"{policy}: batch {args.batch} / batch 1 throughput = {ratio:.2f}x")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

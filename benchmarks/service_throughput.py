@@ -1,13 +1,14 @@
 """Tokens/s through the service (HTTP, streaming) against the in-process engine on the same prompts. Not a test.
 
-    .venv/bin/python benchmarks/service_throughput.py [--max-tokens 128] [--batch 8] [--policy dsde]
+    .venv/bin/python benchmarks/service_throughput.py [--max-tokens 128] [--batch 8] [--policy dsde] [--rounds 3]
 
 The embedded pair, greedy, chat prompts, all `--batch` requests at once (continuous batching with batch-size
-slots). In-process first (dsde_core's SpeculativeLLM), the models freed, then a local Ray cluster with the app
-(services.app.build_app) and `--batch` concurrent streaming requests over HTTP (httpx, SSE), then in-process
-again. Throughput is generated tokens / wall time from the first request sent to the last token received,
-after one warm-up request each; the reference is the mean of the two in-process runs, and their drift shows
-how steady the machine was. The goal (issue 3): service >= 0.9 x in-process.
+slots). In-process (dsde_core's SpeculativeLLM), then `--rounds` times: a local Ray cluster with the app
+(services.app.build_app) and `--batch` concurrent streaming requests over HTTP (httpx, SSE), the cluster stopped,
+and in-process again. Throughput is generated tokens / wall time from the first request sent to the last token
+received, after one warm-up request each. This machine's speed drifts by 10-20% over minutes, so each service run
+is set against the mean of the in-process runs just before and after it, and the figure is the median of those
+ratios. The goal (issue 3): service >= 0.9 x in-process.
 
 The cluster runs its workers at nice 0, as `dsde serve` does: at Ray's default of 15 any other busy process
 on the machine starves the model actors and the comparison with the nice-0 in-process run means nothing
@@ -18,9 +19,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import socket
+import statistics
 import sys
 import time
 
@@ -47,19 +48,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def in_process(prompts: list[str], args: argparse.Namespace) -> tuple[float, list[str], int]:
-    config = EngineConfig(max_batch_size=len(prompts), dtype=args.dtype, num_threads=args.threads)
+def load_in_process(args: argparse.Namespace, batch: int) -> SpeculativeLLM:
+    config = EngineConfig(max_batch_size=batch, dtype=args.dtype, num_threads=args.threads)
     llm = SpeculativeLLM.load(config=config, policy=args.policy)
+    llm.generate(["Hello"], SamplingParams(max_tokens=4), chat=True)  # warm-up
+    return llm
+
+
+def in_process(llm: SpeculativeLLM, prompts: list[str], args: argparse.Namespace) -> tuple[float, list[str], int]:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    llm.generate([prompts[0]], SamplingParams(max_tokens=4), chat=True)  # warm-up
     t0 = time.perf_counter()
     results = llm.generate(prompts, params, policy=args.policy, chat=True)
     seconds = time.perf_counter() - t0
     tokens = sum(len(r.token_ids) for r in results)
-    texts = [r.text for r in results]
-    del llm, results
-    gc.collect()
-    return tokens / seconds, texts, tokens
+    return tokens / seconds, [r.text for r in results], tokens
 
 
 async def _stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> tuple[str, int]:
@@ -94,8 +96,10 @@ def through_service(prompts: list[str], args: argparse.Namespace) -> tuple[float
     from ray import serve
 
     from services.app import build_app
+    from services.launch import quiet_serve_controller
 
     port = _free_port()
+    quiet_serve_controller()  # as `dsde serve` does
     system_config = {} if args.worker_niceness is None else {"worker_niceness": args.worker_niceness}
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              object_store_memory=256 * 2**20, _system_config=system_config)
@@ -118,28 +122,37 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=None, help="torch threads (both runs; default: all cores)")
     p.add_argument("--worker-niceness", type=int, default=0, help="Ray's worker niceness (default 0, as dsde serve)")
-    p.add_argument("--no-recheck", action="store_true", help="skip the second in-process run after the service")
+    p.add_argument("--rounds", type=int, default=3, help="service runs, each between two in-process runs")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     prompts = PROMPTS[: args.batch]
-    local_rate, local_texts, local_tokens = in_process(prompts, args)
-    print(f"in-process: {local_tokens} tokens, {local_rate:.2f} tok/s", flush=True)
-    service_rate, service_texts, service_tokens = through_service(prompts, args)
-    print(f"service:    {service_tokens} tokens, {service_rate:.2f} tok/s (HTTP streaming, {len(prompts)} at once)",
-          flush=True)
-    rates = [local_rate]
-    if not args.no_recheck:  # the machine may have changed under us: measure in-process again, use the mean
-        rates.append(in_process(prompts, args)[0])
-        print(f"in-process again: {rates[-1]:.2f} tok/s (drift {rates[-1] / rates[0] - 1:+.1%})")
-        local_rate = sum(rates) / len(rates)
-    ratio = service_rate / local_rate
-    same = sum(a == b for a, b in zip(local_texts, service_texts, strict=True))
-    print(f"ratio service / in-process: {ratio:.3f} (goal >= 0.9); identical outputs: {same}/{len(prompts)}")
+    llm = load_in_process(args, len(prompts))  # stays loaded (idle) while a service runs: ~5 GB beside its actors
+    local = [in_process(llm, prompts, args)]
+    print(f"in-process: {local[0][2]} tokens, {local[0][0]:.2f} tok/s", flush=True)
+    service, ratios = [], []
+    for r in range(args.rounds):
+        service.append(through_service(prompts, args))  # Ray is started and stopped around each service run
+        local.append(in_process(llm, prompts, args))
+        # the machine drifts over minutes: each service run against the mean of the in-process runs around it
+        ratios.append(service[-1][0] / ((local[-2][0] + local[-1][0]) / 2))
+        print(f"round {r + 1}: service {service[-1][2]} tokens, {service[-1][0]:.2f} tok/s (HTTP streaming, "
+              f"{len(prompts)} at once); in-process after it {local[-1][0]:.2f} tok/s; ratio {ratios[-1]:.3f}",
+              flush=True)
+    ratio = statistics.median(ratios)
+    local_texts = local[0][1]
+    same = [sum(a == b for a, b in zip(local_texts, texts, strict=True)) for _, texts, _ in service]
+    print(f"ratio service / in-process: median {ratio:.3f} of {[round(x, 3) for x in ratios]} (goal >= 0.9); "
+          f"identical outputs per service run: {same} of {len(prompts)}")
     if args.json:
-        print(json.dumps({"in_process_tok_s": local_rate, "in_process_runs": rates, "service_tok_s": service_rate,
-                          "ratio": ratio,
-                          "tokens": [local_tokens, service_tokens], "identical": same, "batch": len(prompts),
-                          "max_tokens": args.max_tokens, "policy": args.policy, "dtype": args.dtype}))
+        print(json.dumps({"in_process_tok_s": statistics.median(x[0] for x in local),
+                          "in_process_runs": [x[0] for x in local],
+                          "service_tok_s": statistics.median(x[0] for x in service),
+                          "service_runs": [x[0] for x in service], "ratios": ratios, "ratio": ratio,
+                          "tokens": [local[0][2], service[0][2]], "identical": min(same), "batch": len(prompts),
+                          "max_tokens": args.max_tokens, "policy": args.policy, "dtype": args.dtype,
+                          "rounds": args.rounds}))
     return 0
 
 

@@ -158,8 +158,9 @@ def _finish(args: argparse.Namespace, doc: dict[str, Any], name: str, plot_fn: A
     if not args.no_plots:
         plots = plot_fn(doc, results / "plots")
     doc["meta"] = _meta(plots)
-    _write(doc, Path(args.out) if args.out else results / f"{name}.json")
-    md = results / f"{name}.md"
+    out = Path(args.out) if args.out else results / f"{name}.json"
+    _write(doc, out)
+    md = out.with_suffix(".md")  # beside its JSON: a run with --out leaves the default run's table alone
     md.write_text(table + "\n")
     print(f"wrote {md}" + (f" and {len(plots)} plots in {results / 'plots'}" if plots else ""))
     if not args.no_report:

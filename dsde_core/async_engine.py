@@ -6,6 +6,10 @@
 
 Leaving the iterator early (a client that hangs up) cancels the request; the engine frees its slot and
 all of its state at the start of the next step.
+
+Admission: requests join the running batch at the next step boundary. When the engine is idle, the first arrival
+waits `admit_wait_s` (like `@serve.batch`'s batch_wait_timeout_s) so that a burst of requests starts as one batch:
+one prefill instead of one per straggler, and the same batch, hence the same numerics, as in-process.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ from dsde_core.request import Request, RequestOutput
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, idle_wait_s: float = 0.05) -> None:
+    def __init__(self, engine: Engine, idle_wait_s: float = 0.05, admit_wait_s: float = 0.0) -> None:
         self.engine = engine
         self.idle_wait_s = idle_wait_s
+        self.admit_wait_s = admit_wait_s
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -53,6 +58,9 @@ class AsyncEngine:
             if not self.engine.has_unfinished():
                 self._wake.wait(self.idle_wait_s)
                 self._wake.clear()
+                if self.admit_wait_s > 0 and self.engine.has_unfinished():
+                    self._stopping.wait(self.admit_wait_s)  # let the rest of a burst arrive: one batch, one prefill
+                    continue
                 if not self.engine.recovering:
                     continue  # idle; with a worker down, an idle step still probes it (and sends deferred releases)
             try:

@@ -29,7 +29,8 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
     g = sub.add_parser("generate", help="generate text for one prompt and print speculation stats")
     g.add_argument("prompt")
     g.add_argument("--policy", default="dsde",
-                   help=f"speculation-length policy: {', '.join(POLICY_NAMES)} (static:K for a fixed K)")
+                   help=f"speculation-length policy: {', '.join(POLICY_NAMES)} (static:K for a fixed K, "
+                        "dsde:MAX for DSDE with SL_max bounded by MAX)")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)

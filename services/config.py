@@ -64,6 +64,7 @@ class ServiceConfig:
     worker_wait_s: float = 60.0  # requests wait this long for a failed target to come back, then end with a 503
     max_queue: int = 64  # requests that may wait for a KV slot beyond the max_batch_size running ones; more get 429
     retry_after_s: int = 1  # the Retry-After header of a 429 or 503
+    admit_wait_s: float = 0.02  # an idle engine waits this long after a first arrival, so that a burst starts together
     request_timeout_s: float | None = 600.0  # a request unfinished this long after arriving gets a 504 (None: never)
     graceful_shutdown_timeout_s: float = 30.0  # on shutdown or redeploy, running requests get this long to finish
     max_request_bytes: int = 1 << 20  # request bodies larger than this get 413
@@ -91,6 +92,8 @@ class ServiceConfig:
                f"actor_max_restarts must be an integer in [-1, 1000], got {self.actor_max_restarts!r}")
         _check(isinstance(self.max_queue, int) and 0 <= self.max_queue <= 1 << 20,
                f"max_queue must be an integer in [0, 2^20], got {self.max_queue!r}")
+        _check(isinstance(self.admit_wait_s, (int, float)) and 0 <= self.admit_wait_s <= 1,
+               f"admit_wait_s must be a number of seconds in [0, 1], got {self.admit_wait_s!r}")
         _check(isinstance(self.retry_after_s, int) and 0 <= self.retry_after_s <= 3600,
                f"retry_after_s must be an integer in [0, 3600], got {self.retry_after_s!r}")
         _check(self.request_timeout_s is None or (isinstance(self.request_timeout_s, (int, float))

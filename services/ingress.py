@@ -276,7 +276,7 @@ class DSDEServer:
             vocab_size=self.actors.target_info.vocab_size,
         )
         self.engine.recovery_hooks.append(self._on_recovered)
-        self.aengine = AsyncEngine(self.engine).start()
+        self.aengine = AsyncEngine(self.engine, admit_wait_s=cfg.admit_wait_s).start()
         self.policy = cfg.policy
         self.draining = False
         self.started = time.time()

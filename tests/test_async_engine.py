@@ -75,3 +75,22 @@ def test_a_failing_step_ends_requests_with_an_error() -> None:
         aeng.stop()
     assert last.finished and last.finish_reason == "error" and "target died" in last.error
     assert not engine.requests and engine.target.num_open() == 0
+
+
+def test_a_burst_on_an_idle_engine_starts_as_one_batch() -> None:
+    """Requests arriving a few ms apart on an idle engine share the first step (one prefill), given admit_wait_s."""
+    engine = tiny_engine("static:2", batch=4)
+    aeng = AsyncEngine(engine, admit_wait_s=0.3).start()
+    try:
+        async def main():
+            tasks = []
+            for p in PROMPTS:
+                tasks.append(asyncio.create_task(_collect(aeng, p, 6)))
+                await asyncio.sleep(0.01)  # stragglers: each arrives after the engine has woken up
+            return await asyncio.gather(*tasks)
+        results = asyncio.run(main())
+    finally:
+        aeng.stop()
+    assert [ids for ids, _, _ in results] == _reference(6)
+    first = engine.step_log[0]
+    assert first.prefill and first.batch == len(PROMPTS)

@@ -107,6 +107,14 @@ def test_cli_grid_and_report(tmp_path, capsys) -> None:
     page = md.read_text()
     assert "## Policies on real workloads" in page and "Static-opt" in page and "## Machine" in page
     assert "target-only" in capsys.readouterr().out
+    # a run with --out writes its table beside its JSON and leaves the default run's alone
+    table = (res / "bench.md").read_text()
+    assert cli.main(["--tiny", "--workloads", "code", "--policies", "off,dsde:3", "--batch-sizes", "1",
+                     "--num-prompts", "1", "--max-tokens", "4", "--no-anchor", "--no-progress", "--no-report",
+                     "--no-plots", "--results-dir", str(res), "--out", str(res / "other.json")]) == 0
+    assert (res / "bench.md").read_text() == table
+    assert "dsde:3" in (res / "other.md").read_text()
+    assert {c["policy"] for c in json.loads((res / "other.json").read_text())["cells"]} >= {"off", "dsde:3"}
 
 
 @needs_data

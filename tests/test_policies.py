@@ -522,10 +522,30 @@ def test_make_policy_parsing() -> None:
     assert make_policy().name == "dsde"
 
 
-@pytest.mark.parametrize("spec", ["fast", "static:x", "static:-1", "static:", "acceptance:2", "dsde:3", ""])
+def test_dsde_max_bound() -> None:
+    """dsde[:MAX] bounds SL_max and the warm-up's doubling; the rest of the variant stays as it is."""
+    d = make_policy("dsde:6")
+    assert isinstance(d, CappedPolicy) and d.name == "dsde:6"
+    assert (d.inner.config.max_sl, d.inner.config.init_sl, d.inner.config.variant) == (6, 5, "code")
+    n = make_policy("dsde-paper-nocap:3")
+    assert isinstance(n, DSDEPolicy) and (n.config.max_sl, n.config.init_sl, n.config.variant) == (3, 3, "paper")
+    # the warm-up doubles k up to MAX, and SL_max calibrates within [min_sl, MAX] however long the accepted runs
+    seq = SeqInfo("r", 0.0, 20)
+    ks = []
+    for step in range(12):  # 36 KLDs: past the 30-value warm-up
+        [plan] = n.plan([seq])
+        ks.append(plan.k)
+        n.observe([StepFeedback("r", plan.k, plan.k, plan.k, tuple(0.01 * (step % 3 + 1) for _ in range(plan.k)))])
+    assert ks[0] == 3 and max(ks) == 3
+    state = n._state_of("r")
+    assert not state.warm and state.max_acc == 3 and state.sl_max == 3
+
+
+@pytest.mark.parametrize("spec", ["fast", "static:x", "static:-1", "static:", "acceptance:2", "dsde:1", "dsde:x",
+                                  "dsde-goodput:3", "adaedl:2", ""])
 def test_make_policy_errors(spec: str) -> None:
     with pytest.raises(ConfigError) as err:
         make_policy(spec)
-    if spec in ("fast", "dsde:3", ""):
+    if spec in ("fast", "dsde-goodput:3", ""):
         msg = str(err.value)
         assert all(name in msg for name in ("off", "static", "dsde", "adaedl", "heuristic", "acceptance"))

@@ -30,7 +30,8 @@ def test_service_config_defaults_and_errors() -> None:
     assert ServiceConfig(draft="none").draft is None
     for bad, word in [({"max_batch_size": 0}, "max_batch_size"), ({"dtype": "int8"}, "dtype"),
                       ({"policy": "bogus"}, "bogus"), ({"target_num_gpus": -1}, "target_num_gpus"),
-                      ({"device": "tpu"}, "device"), ({"nonsense": 1}, "nonsense")]:
+                      ({"device": "tpu"}, "device"), ({"nonsense": 1}, "nonsense"),
+                      ({"admit_wait_s": -0.1}, "admit_wait_s"), ({"admit_wait_s": "soon"}, "admit_wait_s")]:
         with pytest.raises(ConfigError, match=word):
             ServiceConfig.from_args(bad)
 
@@ -187,3 +188,23 @@ def test_readme_documents_every_metric() -> None:
     table = {m.group(1) for m in re.finditer(r"^\| `(ray_dsde_[a-z0-9_]+)`", readme, re.M)}
     exported = {exported_name(name, kind) for name, kind, *_ in METRICS}
     assert exported == table, (exported - table, table - exported)
+
+
+def test_quiet_serve_controller_sets_a_variable_serve_reads_and_keeps_an_operators(monkeypatch) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from services.launch import SERVE_CONTROL_LOOP_ENV, SERVE_CONTROL_LOOP_S, quiet_serve_controller
+
+    monkeypatch.delenv(SERVE_CONTROL_LOOP_ENV, raising=False)
+    quiet_serve_controller()
+    assert os.environ[SERVE_CONTROL_LOOP_ENV] == SERVE_CONTROL_LOOP_S
+    monkeypatch.setenv(SERVE_CONTROL_LOOP_ENV, "0.2")
+    quiet_serve_controller()
+    assert os.environ[SERVE_CONTROL_LOOP_ENV] == "0.2"
+    # the name is the one Ray Serve's controller reads (a rename in Ray would make the setting a silent no-op)
+    out = subprocess.run([sys.executable, "-c", "from ray.serve._private import constants as c; "
+                          "print(c.CONTROL_LOOP_INTERVAL_S)"], env={**os.environ, SERVE_CONTROL_LOOP_ENV: "0.5"},
+                         capture_output=True, text=True, check=True)
+    assert float(out.stdout.strip()) == 0.5

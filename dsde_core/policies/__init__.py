@@ -3,10 +3,12 @@
 `make_policy(spec)` turns a CLI-style spec into a policy:
     off                    k = 0: target-only decoding through the same engine
     static[:K]             k = K every step (default 4)
-    dsde                   DSDE (code variant, project defaults) with the adaptive SL cap: the default
-    dsde-nocap             the same without the cap
-    dsde-paper             the paper's variant with the cap
-    dsde-paper-nocap       the paper's variant without the cap
+    dsde[:MAX]             DSDE (code variant, project defaults) with the adaptive SL cap: the default
+    dsde-nocap[:MAX]       the same without the cap
+    dsde-paper[:MAX]       the paper's variant with the cap
+    dsde-paper-nocap[:MAX] the paper's variant without the cap
+                           MAX: DSDE's upper bound on SL_max (and on the warm-up's doubling), default 20; where a
+                           draft token costs a large share of a target step (a CPU), a lower bound pays (BENCHMARKS.md)
     dsde-goodput           cost-aware DSDE: k (0 included) maximising the batch's tokens per second (goodput.py)
     adaedl                 entropy-based early stopping with an adaptive threshold
     heuristic              transformers' +2 / -1 schedule
@@ -24,7 +26,7 @@ from dsde_core.policies.acceptance import (
 from dsde_core.policies.adaedl import AdaEDLConfig, AdaEDLPolicy, draft_confidence, should_stop
 from dsde_core.policies.base import Plan, SeqInfo, SpeculationPolicy, StepFeedback
 from dsde_core.policies.cap import CappedPolicy
-from dsde_core.policies.dsde import DSDEConfig, DSDEPolicy
+from dsde_core.policies.dsde import DEFAULT_MIN_SPEC, DSDEConfig, DSDEPolicy
 from dsde_core.policies.goodput import GoodputConfig, GoodputPolicy
 from dsde_core.policies.heuristic import HeuristicConfig, HeuristicPolicy
 from dsde_core.policies.static import DEFAULT_STATIC_K, OffPolicy, StaticConfig, StaticPolicy
@@ -45,9 +47,10 @@ POLICY_NAMES: tuple[str, ...] = (
 )
 
 _SPEC_FORMS = (
-    "off, static[:K], dsde, dsde-nocap, dsde-paper, dsde-paper-nocap, dsde-goodput, adaedl, heuristic, "
-    "acceptance[:T]"
+    "off, static[:K], dsde[:MAX], dsde-nocap[:MAX], dsde-paper[:MAX], dsde-paper-nocap[:MAX], dsde-goodput, adaedl, "
+    "heuristic, acceptance[:T]"
 )
+_DSDE_NAMES = ("dsde", "dsde-nocap", "dsde-paper", "dsde-paper-nocap")
 
 
 def _parse_arg(name: str, arg: str, kind: type) -> int | float:
@@ -61,7 +64,7 @@ def make_policy(spec: str = DEFAULT_POLICY) -> SpeculationPolicy:
     """Build a policy from a spec such as "dsde", "static:4" or "acceptance:0.6" (see the module doc)."""
     text = spec.strip().lower()
     name, sep, arg = text.partition(":")
-    if sep and name not in ("static", "acceptance"):
+    if sep and name not in ("static", "acceptance", *_DSDE_NAMES):
         raise ConfigError(f"policy {name!r} takes no ':' argument (got {spec!r}); valid: {_SPEC_FORMS}")
     if sep and not arg:
         raise ConfigError(f"policy spec {spec!r} has an empty argument after ':'; valid: {_SPEC_FORMS}")
@@ -71,9 +74,16 @@ def make_policy(spec: str = DEFAULT_POLICY) -> SpeculationPolicy:
     elif name == "static":
         k = _parse_arg(name, arg, int) if sep else DEFAULT_STATIC_K
         policy = StaticPolicy(StaticConfig(k=k))
-    elif name in ("dsde", "dsde-nocap", "dsde-paper", "dsde-paper-nocap"):
+    elif name in _DSDE_NAMES:
         variant = "paper" if name.startswith("dsde-paper") else "code"
-        policy = DSDEPolicy(DSDEConfig(variant=variant))
+        bound = {}
+        if sep:
+            max_sl = _parse_arg(name, arg, int)
+            if max_sl < DEFAULT_MIN_SPEC:
+                raise ConfigError(f"policy {name!r}: MAX (the bound on SL_max) must be >= {DEFAULT_MIN_SPEC}, "
+                                  f"DSDE's SL_min; got {max_sl}")
+            bound = dict(max_sl=max_sl, init_sl=min(DSDEConfig.init_sl, max_sl))
+        policy = DSDEPolicy(DSDEConfig(variant=variant, **bound))
         policy = policy if name.endswith("-nocap") else CappedPolicy(policy)
     elif name == "dsde-goodput":
         policy = GoodputPolicy()
