@@ -325,6 +325,14 @@ def _bound_reading(doc: dict[str, Any], n: int) -> str:
                       for w, b, t, d, _ in rows)
     text = (f"Reading: dsde:{n} is within 5% of Static-opt's latency in {within} of {len(rows)} cells, DSDE with its "
             f"default bound in {within_default} ({cells}).")
+    b1 = [c for c in doc["cells"] if c["temperature"] == 0.0 and c["batch"] == 1]
+    sl = {p: [c["metrics"] for c in b1 if c["policy"] == p] for p in ("dsde", f"dsde:{n}")}
+    if all(sl.values()):
+        def mean(p: str, key: str) -> float:
+            return sum(m[key] for m in sl[p]) / len(sl[p])
+        text += (f" At batch 1 the default bound proposes {mean('dsde', 'sl_mean'):.1f} tokens a step on average at "
+                 f"acceptance {mean('dsde', 'acceptance_rate'):.2f}, dsde:{n} {mean(f'dsde:{n}', 'sl_mean'):.1f} at "
+                 f"{mean(f'dsde:{n}', 'acceptance_rate'):.2f}.")
     misses = [f"{w} batch {b} (Static-opt k={k})" for w, b, t, _, k in rows if t > 1.0 + TARGET_WITHIN]
     if misses:
         text += (f" Missed: {', '.join(misses)}. DSDE's rule picks SL from the KLD's stability alone: it never goes "
@@ -346,18 +354,17 @@ def bound_section(pick: dict[str, Any], doc: dict[str, Any] | None) -> str:
             off = _get(cs, "off")
             rel.append(fmt(d["metrics"]["mean_e2e_s"] / off["mean_e2e_s"], ".3f") if d and off else "")
         rows.append([f"{m}{' (picked)' if m == n else ''}", *rel, fmt(g, ".3f")])
-    pick_cfg = pick.get("config", {})
+    pick_cfg, report_seed = pick.get("config", {}), (doc or {}).get("config", {}).get("seed", "(not run)")
     runner_up = min((m for m in scores if m != n), key=lambda m: scores[m], default=None)
-    tie = (f" The runner-up, MAX = {runner_up}, is within {100 * (scores[runner_up] / scores[n] - 1):.1f}%: a near tie "
+    tie = (f" The runner-up, MAX = {runner_up}, is within {100 * (scores[runner_up] / scores[n] - 1):.2f}%: a near tie "
            f"on this machine's noise." if runner_up is not None and scores[runner_up] <= 1.01 * scores[n] else "")
     out = f"""## DSDE's SL bound for this machine (`make bench-dsde-bound`, issues 2 and 4)
 
 DSDE bounds SL_max (from the warm-up's longest accepted run) by MAX = 20, a GPU-sized default: there a draft token
 costs a few percent of a target step. Here it costs about a third, and DSDE's long proposals past the first rejection
-are paid in full (on the code prompt DSDE proposes ~13 tokens a step and keeps about half). `dsde:MAX` sets the
-bound. It was picked on seed {pick_cfg.get('seed')}'s prompts: the MAX whose mean latency relative to target-only
-decoding has the lowest geometric mean over the workloads (T=0, batch 1; `python -m dsde_bench.bound`), and it is
-reported below on seed {(doc or {}).get('config', {}).get('seed', '(not run)')}'s prompts, which the pick never saw.
+are paid in full. `dsde:MAX` sets the bound. It was picked on seed {pick_cfg.get('seed')}'s prompts: the MAX whose
+mean latency relative to target-only decoding has the lowest geometric mean over the workloads (T=0, batch 1;
+`python -m dsde_bench.bound`), and it is reported below on seed {report_seed}'s prompts, which the pick never saw.
 
 Pick run: `{pick.get('meta', {}).get('command', '')}` ({fmt(pick.get('elapsed_s'), '.0f')} s).
 
