@@ -11,6 +11,7 @@ the workloads of a `dsde bench` run (T=0, batch 1).
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from collections.abc import Sequence
@@ -29,9 +30,9 @@ def bound_of(policy: str) -> int | None:
     return int(arg) if sep else DSDEConfig.max_sl
 
 
-def bound_scores(cells: Sequence[dict[str, Any]]) -> dict[int, float]:
-    """MAX -> geometric mean over workloads of mean latency / target-only's (T=0, batch 1 cells)."""
-    logs: dict[int, list[float]] = {}
+def bound_ratios(cells: Sequence[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """MAX -> workload -> mean latency / target-only's on the same prompts (T=0, batch 1 cells)."""
+    out: dict[int, dict[str, float]] = {}
     cells = [c for c in cells if c["temperature"] == 0.0 and c["batch"] == 1]
     for w in sorted({c["workload"] for c in cells}):
         cs = [c for c in cells if c["workload"] == w]
@@ -41,8 +42,14 @@ def bound_scores(cells: Sequence[dict[str, Any]]) -> dict[int, float]:
         for c in cs:
             n = bound_of(c["policy"])
             if n is not None:
-                logs.setdefault(n, []).append(math.log(c["metrics"]["mean_e2e_s"] / off))
-    return {n: math.exp(sum(v) / len(v)) for n, v in sorted(logs.items())}
+                out.setdefault(n, {})[w] = c["metrics"]["mean_e2e_s"] / off
+    return dict(sorted(out.items()))
+
+
+def bound_scores(cells: Sequence[dict[str, Any]]) -> dict[int, float]:
+    """MAX -> geometric mean over workloads of mean latency / target-only's (T=0, batch 1 cells)."""
+    return {n: math.exp(sum(math.log(r) for r in by_w.values()) / len(by_w))
+            for n, by_w in bound_ratios(cells).items()}
 
 
 def pick_bound(doc: dict[str, Any]) -> int:
@@ -57,8 +64,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m dsde_bench.bound RESULTS.json", file=sys.stderr)
         return 2
-    import json
-
     try:
         print(pick_bound(json.loads(Path(args[0]).read_text())))
     except (OSError, ValueError, KeyError, ConfigError) as e:

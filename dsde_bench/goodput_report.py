@@ -26,7 +26,7 @@ def _static(cells: Sequence[dict[str, Any]]) -> list[tuple[str, float]]:
     return [(c["policy"], c["metrics"]["output_tok_s"]) for c in cells if c["policy"].startswith("static:")]
 
 
-def _is_low_acceptance(doc: dict[str, Any], cells: Sequence[dict[str, Any]]) -> bool:
+def _is_low_acceptance(cells: Sequence[dict[str, Any]]) -> bool:
     """Where speculation does not pay: DSDE and every static k below target-only."""
     off, statics = _tput(cells, "off"), [t for _, t in _static(cells)]
     others = statics + [t for t in [_tput(cells, "dsde")] if t is not None]
@@ -45,7 +45,7 @@ def targets(docs: dict[str, dict[str, Any]]) -> list[tuple[str, str, bool | None
             cell = f"{w}, T={t:g}, batch {b} ({where})"
             statics = _static(cs)
             d = _tput(cs, "dsde")
-            if _is_low_acceptance(doc, cs):
+            if _is_low_acceptance(cs):
                 best = max(statics, key=lambda s: s[1], default=("-", float("nan")))
                 out.append((f"low acceptance: >= {LOW_ACCEPTANCE_FLOOR}x target-only, {cell}",
                             f"{g / off:.3f}x (DSDE {fmt(d / off if d else None, '.3f')}x, best static "
@@ -86,7 +86,7 @@ def reading(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
     for doc in docs.values():
         for _, cs in groups(doc["cells"], ("workload", "temperature", "batch")).items():
             g, so, d = _tput(cs, POLICY), _tput(cs, "static-opt"), _tput(cs, "dsde")
-            low += bool(g and _is_low_acceptance(doc, cs))
+            low += bool(g and _is_low_acceptance(cs))
             if g and so:
                 vs_so.append(g / so)
             if g and d:
@@ -102,7 +102,8 @@ def reading(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
                      f"{sum(r >= 1 for r in vs_d)} of {len(vs_d)} cells. See the cells below for the SL each chose: "
                      "dsde-goodput drops k towards 0-1 where acceptance is low or the batch is large, and drafts "
                      "shorter than the best static k where acceptance is high.")
-    sim_low = [(p, w, b, m[POLICY]) for p, w, b, m in _sim_rows(sim)
+    rows = _sim_rows(sim)
+    sim_low = [(p, w, b, m[POLICY]) for p, w, b, m in rows
                if m.get(POLICY) and m.get("static-opt") and m["static-opt"] < 1.0]
     if not low:
         lines.append("- **Low-acceptance regime**: not reached by these real runs: on this pair neither chat at T=1 "
@@ -113,7 +114,6 @@ def reading(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
                      + ", ".join(f"{r:.2f}x ({w}, batch {b}, {p})" for p, w, b, r in sim_low)
                      + f"; {sum(r >= LOW_ACCEPTANCE_FLOOR for *_, r in sim_low)} of {len(sim_low)} at or above "
                        f"{LOW_ACCEPTANCE_FLOOR}x target-only.")
-    rows = _sim_rows(sim)
     if rows:
         wins = [(p, b) for p, _, b, m in rows if m.get(POLICY) and m.get("static-opt") and m.get("dsde")
                 and m[POLICY] >= max(m["static-opt"], m["dsde"])]

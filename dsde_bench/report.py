@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from dsde_bench.bound import bound_of, bound_scores, pick_bound
+from dsde_bench.bound import bound_of, bound_ratios, bound_scores, pick_bound
 from dsde_bench.workloads import SOURCES
 
 TARGET_WITHIN = 0.05  # issue 4: DSDE + cap within 5% of Static-opt's mean latency
@@ -343,17 +343,10 @@ def _bound_reading(doc: dict[str, Any], n: int) -> str:
 
 def bound_section(pick: dict[str, Any], doc: dict[str, Any] | None) -> str:
     """DSDE's SL bound picked for this machine on one seed (`pick`), reported on another (`doc`)."""
-    scores, n = bound_scores(pick["cells"]), pick_bound(pick)
+    ratios, scores, n = bound_ratios(pick["cells"]), bound_scores(pick["cells"]), pick_bound(pick)
     workloads = sorted({c["workload"] for c in pick["cells"]})
-    rows = []
-    for m, g in scores.items():
-        rel = []
-        for w in workloads:
-            cs = [c for c in pick["cells"] if c["workload"] == w and c["batch"] == 1 and c["temperature"] == 0.0]
-            d = next((c for c in cs if bound_of(c["policy"]) == m), None)
-            off = _get(cs, "off")
-            rel.append(fmt(d["metrics"]["mean_e2e_s"] / off["mean_e2e_s"], ".3f") if d and off else "")
-        rows.append([f"{m}{' (picked)' if m == n else ''}", *rel, fmt(g, ".3f")])
+    rows = [[f"{m}{' (picked)' if m == n else ''}", *(fmt(by_w[w], ".3f") if w in by_w else "" for w in workloads),
+             fmt(scores[m], ".3f")] for m, by_w in ratios.items()]
     pick_cfg, report_seed = pick.get("config", {}), (doc or {}).get("config", {}).get("seed", "(not run)")
     runner_up = min((m for m in scores if m != n), key=lambda m: scores[m], default=None)
     tie = (f" The runner-up, MAX = {runner_up}, is within {100 * (scores[runner_up] / scores[n] - 1):.2f}%: a near tie "
