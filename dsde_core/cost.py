@@ -63,9 +63,12 @@ class _RLS:
     (which keeps it symmetric positive semi-definite and leaves the excited directions alone), and an update that
     is not finite is dropped."""
 
-    def __init__(self, theta: Sequence[float], scale: Sequence[float], weight: float, forgetting: float) -> None:
+    def __init__(self, theta: Sequence[float], typical: Sequence[float], weight: float, forgetting: float) -> None:
         self.theta = np.asarray(theta, dtype=np.float64)
-        self.p = np.diag((np.asarray(scale, dtype=np.float64)) ** 2 / weight)  # prior covariance
+        # P is the coefficients' covariance over the timing noise's variance (the normal equations' inverse), so a
+        # prior worth `weight` observations of each feature at its typical size x is P0 = 1 / (weight x^2), whatever
+        # the noise and the coefficient's size
+        self.p = np.diag(1.0 / (weight * np.asarray(typical, dtype=np.float64) ** 2))
         self.max_var = 100.0 * float(np.max(np.diag(self.p)))  # windup cap
         self.lam = forgetting
 
@@ -89,11 +92,10 @@ class OnlineCostModel:
     def __init__(self, prior: CostPrior | None = None) -> None:
         p = prior or CostPrior()
         self.prior = p
-        # scales: the typical size of each feature times its coefficient, so the prior is equally soft everywhere
-        self._verify = _RLS([p.verify_base_s, p.verify_per_seq_s, p.verify_per_token_s],
-                            [p.verify_base_s, p.verify_per_seq_s * 8, p.verify_per_token_s * 8], p.weight, p.forgetting)
-        self._draft = _RLS([p.draft_fwd_s, p.draft_per_token_s], [p.draft_fwd_s * 4, p.draft_per_token_s * 16],
-                           p.weight, p.forgetting)
+        # the typical size of each feature: 1, B ~ 8, sum k ~ 8;  max k ~ 4, sum k ~ 16
+        self._verify = _RLS([p.verify_base_s, p.verify_per_seq_s, p.verify_per_token_s], [1.0, 8.0, 8.0], p.weight,
+                            p.forgetting)
+        self._draft = _RLS([p.draft_fwd_s, p.draft_per_token_s], [4.0, 16.0], p.weight, p.forgetting)
         self.observed = 0
 
     def observe(self, ks: Sequence[int], draft_s: float, verify_s: float) -> None:

@@ -45,3 +45,12 @@ def test_collapse_with_batch_size_is_caught() -> None:
     cells = [_cell("mixed", b, "dsde-goodput", v) for b, v in ((1, 10.0), (4, 20.0), (16, 17.0))]
     rows = [t for t in goodput_report.targets({"goodput_batch": _doc(cells)}) if t[0].startswith("no collapse")]
     assert rows and rows[0][2] is False and "4->16: 0.85x" in rows[0][1]
+
+
+def test_reading_reports_the_sl_chosen_against_static_opt() -> None:
+    cells = [_cell("code", 1, "off", 10.0), _cell("code", 1, "static:4", 15.0),
+             _cell("code", 1, "static-opt", 15.0, static_opt_k=4), _cell("code", 1, "dsde", 14.0),
+             _cell("code", 1, "dsde-goodput", 16.0)]
+    cells[-1]["metrics"]["sl_mean"] = 5.25
+    text = goodput_report.reading({"bench": _doc(cells)}, None)
+    assert "code T=0 b1 5.2/4" in text and "1.07x to 1.07x of its throughput" in text

@@ -119,3 +119,17 @@ def test_service_throughput_section_reads_the_scripts_captured_output(tmp_path) 
     page = report.write(res, tmp_path / "BENCHMARKS.md").read_text()
     assert "| service / in-process | 0.850 |" in page and "| goal met (>= 0.9) | no |" in page, page
     assert "| service / in-process per run | 0.850, 0.759 |" in page and "2 service runs" in page
+
+
+def test_fp32_validation_is_judged_against_the_tolerance() -> None:
+    def doc(errors: list[float]) -> dict:
+        rows = [{"workload": "code", "policy": f"static:{i}", "batch": 1, "measured": 0.5, "predicted": 0.5 * (1 + e),
+                 "rel_error": e} for i, e in enumerate(errors)]
+        return {"meta": {"command": "dsde bench --simulate --dtype float32"},
+                "validation": {"rows": rows, "max_rel_error": max(errors), "tolerance": 0.05}}
+
+    good = report.fp32_validation_text(doc([0.0, 0.012]))
+    assert "worst relative error 1.20% (target within 5%: met)" in good and "--dtype float32" in good
+    assert "| code | static:1 | 1 | 0.5000 | 0.5060 | 1.20% |" in good
+    assert "missed" in report.fp32_validation_text(doc([0.0, 0.08]))
+    assert report.fp32_validation_text(None) == "" and report.fp32_validation_text({"cells": []}) == ""

@@ -158,6 +158,19 @@ def test_online_cost_model_recovers_the_step_costs() -> None:
                                                      rel=0.05)
 
 
+def test_online_cost_model_leaves_its_prior_within_tens_of_steps() -> None:
+    """The prior is worth CostPrior.weight (4) observations, not hundreds: 40 batch-1 steps on hardware twice as
+    slow as the prior already give the costs within 10%."""
+    model = OnlineCostModel()
+    v, d = 0.16, 0.04  # the prior: 0.084 and 0.021
+    for i in range(40):
+        k = i % 7
+        model.observe([k], d * k, v)
+    est = model.estimate(1)
+    assert est.verify_s == pytest.approx(v, rel=0.1)
+    assert est.draft_fwd_s + est.draft_per_token_s == pytest.approx(d, rel=0.1)
+
+
 def test_engine_feeds_its_cost_model_from_decode_steps() -> None:
     engine = tiny_engine("static:3", batch=2)
     for p in random_prompts(2, seed=5):
