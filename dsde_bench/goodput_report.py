@@ -17,8 +17,12 @@ LOW_ACCEPTANCE_FLOOR = 0.98  # tokens/s against target-only where speculation do
 COLLAPSE = 0.10  # no step down of more than this from one batch size to the next larger one
 
 
+def _cell(cells: Sequence[dict[str, Any]], policy: str) -> dict[str, Any] | None:
+    return next((c for c in cells if c["policy"] == policy), None)
+
+
 def _tput(cells: Sequence[dict[str, Any]], policy: str) -> float | None:
-    c = next((c for c in cells if c["policy"] == policy), None)
+    c = _cell(cells, policy)
     return c["metrics"]["output_tok_s"] if c else None
 
 
@@ -86,7 +90,7 @@ def reading(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
     for name, doc in docs.items():
         for (w, t, b), cs in groups(doc["cells"], ("workload", "temperature", "batch")).items():
             g, so, d = _tput(cs, POLICY), _tput(cs, "static-opt"), _tput(cs, "dsde")
-            gc, soc = (next((c for c in cs if c["policy"] == p), None) for p in (POLICY, "static-opt"))
+            gc, soc = _cell(cs, POLICY), _cell(cs, "static-opt")
             if name == "bench" and gc and soc:
                 sl.append(f"{w} T={t:g} b{b} {gc['metrics']['sl_mean']:.1f}/{soc.get('static_opt_k')}")
             low += bool(g and _is_low_acceptance(cs))
