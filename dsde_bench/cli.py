@@ -2,7 +2,8 @@
 HTTP server (--url). Every mode writes results/<mode>.json, a Markdown table, PNG plots, and regenerates
 BENCHMARKS.md from all results/*.json.
 
-    dsde bench                                   # small grid: code + mixed, 4 prompts, 32 tokens, batch 1 and 4, T=0
+    dsde bench                                   # small grid: code + mixed, 4 prompts, 32 tokens, batch 1 and 4, T=0,
+                                                 # off, static:2, static:4, dsde-nocap, dsde, dsde-goodput (~6 min)
     dsde bench --full                            # all workloads and policies, batch 1/4/16, T=0/1, 16 prompts x 128
     dsde bench --simulate [--validate]           # record traces once, then sweep policies x cost profiles in seconds
     dsde bench --url http://127.0.0.1:8000 --concurrency 4

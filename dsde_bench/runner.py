@@ -36,8 +36,9 @@ FULL_POLICIES: tuple[str, ...] = (
     "off", *(f"static:{k}" for k in STATIC_KS), "heuristic", "adaedl", "acceptance", "dsde-nocap", "dsde",
     "dsde-goodput",
 )
-SMALL_POLICIES: tuple[str, ...] = ("off", "static:2", "static:4", "heuristic", "adaedl", "dsde-nocap", "dsde",
-                                   "dsde-goodput")
+# the default grid (under 10 minutes here): the two DSDE variants, cost-aware DSDE, two static k against target-only;
+# the transformers schedule and AdaEDL run in --full (and as `--policies`)
+SMALL_POLICIES: tuple[str, ...] = ("off", "static:2", "static:4", "dsde-nocap", "dsde", "dsde-goodput")
 
 LABELS = {
     "off": "target-only",

@@ -57,7 +57,7 @@ def test_grid_config_validation() -> None:
         GridConfig(anchor=("vllm",))
     with pytest.raises(ConfigError, match="batch"):
         GridConfig(batch_sizes=(0,))
-    assert GridConfig(anchor=()).num_cells() == 2 * 1 * 2 * 8  # workloads x T x batch sizes x policies
+    assert GridConfig(anchor=()).num_cells() == 2 * 1 * 2 * 6  # workloads x T x batch sizes x policies
 
 
 @needs_data
