@@ -74,19 +74,21 @@ bench-sim-fp32: models
 # The published figures (issues 4 and 7, then BENCHMARKS.md). One grid run of every policy, dsde-goodput and
 # transformers' assisted generation on four workloads at T=0 (results/bench.json); the low-acceptance regime (chat at
 # T=1, and a deliberately weak draft); throughput against batch size up to 16 (the cap, and no collapse).
+# dsde-goodput learns across requests: each of its cells first serves 4 other prompts of the workload, untimed
+# (--warm-requests: the steady state of a server; the other policies keep no state across requests).
 GP_POLICIES := off,static:1,static:2,static:4,dsde,dsde-goodput
-GRID_POLICIES := off,static:1,static:2,static:3,static:4,static:6,heuristic,adaedl,dsde-nocap,dsde,dsde-goodput
-GP_COMMON := --no-anchor --no-plots --no-progress --no-report --num-prompts 4 --max-tokens 48
+GRID_POLICIES := off,static:1,static:2,static:3,static:4,static:6,static:8,heuristic,adaedl,dsde-nocap,dsde,dsde-goodput
+GP_COMMON := --no-anchor --no-plots --no-progress --no-report --num-prompts 4 --max-tokens 48 --warm-requests 4
 bench-goodput: models
-	$(VENV)/bin/dsde bench --no-progress --no-report --num-prompts 4 --max-tokens 48 --workloads code,chat,mixed \
-	  --batch-sizes 1,4 --temperatures 0 --policies $(GRID_POLICIES) --out results/bench.json
+	$(VENV)/bin/dsde bench --no-progress --no-report --num-prompts 4 --max-tokens 48 --warm-requests 4 \
+	  --workloads code,chat,mixed --batch-sizes 1,4 --temperatures 0 --policies $(GRID_POLICIES) --out results/bench.json
 	$(VENV)/bin/dsde bench $(GP_COMMON) --workloads chat --batch-sizes 1,4 --temperatures 1 \
 	  --policies $(GP_POLICIES) --out results/goodput_lowacc.json
-	$(VENV)/bin/dsde bench $(GP_COMMON) --workloads mixed --batch-sizes 1,4 --temperatures 0 --draft-noise 4 \
+	$(VENV)/bin/dsde bench $(GP_COMMON) --workloads mixed --batch-sizes 1,4 --temperatures 0 --draft-noise 8 \
 	  --policies $(GP_POLICIES) --out results/goodput_weak.json
 	$(VENV)/bin/dsde bench --no-anchor --no-plots --no-progress --no-report --num-prompts 16 --max-tokens 32 \
-	  --workloads mixed --batch-sizes 1,4,8,16 --temperatures 0 --policies off,dsde-nocap,dsde,dsde-goodput \
-	  --out results/goodput_batch.json
+	  --warm-requests 4 --workloads mixed --batch-sizes 1,4,8,16 --temperatures 0 \
+	  --policies off,dsde-nocap,dsde,dsde-goodput --out results/goodput_batch.json
 	$(PY) -m dsde_bench report
 
 # DSDE's bound on SL_max for this machine: picked on seed 2's prompts (dsde_bench/bound.py), reported on seed 1's

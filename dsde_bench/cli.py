@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-anchor", action="store_true", help="skip transformers' assisted generation")
     g.add_argument("--ignore-eos", action="store_true", help="generate max_tokens even after EOS")
     g.add_argument("--repeats", type=int, default=1, help="runs per cell, the fastest kept (default 1)")
+    g.add_argument("--warm-requests", type=int, default=0,
+                   help="a policy that learns across requests (dsde-goodput) first serves this many other prompts of "
+                        "the workload, untimed: the steady state of a server (default 0: a cold start per cell)")
 
     m = p.add_argument_group("models")
     m.add_argument("--draft", default=None, help="draft model (embedded name, HF directory or .gguf)")
@@ -198,7 +201,7 @@ def _grid_config(args: argparse.Namespace) -> Any:
         num_prompts=args.num_prompts or (FULL_GRID["num_prompts"] if full else 4),
         max_tokens=args.max_tokens or (FULL_GRID["max_tokens"] if full else 32),
         seed=args.seed, max_chars=args.max_chars, anchor=tuple(anchor), ignore_eos=args.ignore_eos,
-        repeats=args.repeats)
+        repeats=args.repeats, warm_requests=args.warm_requests)
 
 
 # ---- modes ---------------------------------------------------------------------------------------------------
@@ -281,7 +284,7 @@ def _simulate(args: argparse.Namespace) -> int:
     if any(p.split(":")[0] == "measured" for p in args.profiles):
         cpath = Path(args.results_dir) / ("costs-tiny.json" if args.tiny else "costs.json")
         cached = json.loads(cpath.read_text()) if cpath.exists() and not args.remeasure else None
-        if cached and cached.get("backend") == desc:
+        if cached and cached.get("backend") == desc and cached["model"].get("table"):
             measured = CostModel(**cached["model"])
         else:
             b = get_backend()

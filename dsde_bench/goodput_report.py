@@ -161,8 +161,16 @@ def section(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
     tables = "\n\n".join(f"#### {n}: {w}, T={t:g}, batch {b}\n\n{cells_table(cs)}"
                          for n, d in docs.items()
                          for (w, t, b), cs in groups(d["cells"], ("workload", "temperature", "batch")).items())
+    warm = sorted({d.get("config", {}).get("warm_requests", 0) for d in docs.values()})
+    warm_text = (f"dsde-goodput learns across requests, so each of its cells first served "
+                 f"{'/'.join(str(w) for w in warm)} other prompts of the workload, untimed (`--warm-requests`: a "
+                 "server's steady state; no other policy keeps state across requests, and the warm-up prompts are "
+                 "never the cell's own)." if any(warm) else "Every cell starts cold (no `--warm-requests`).")
     return f"""## Cost-aware DSDE: dsde-goodput (issue 7)
 
+dsde-goodput drafts each token while it is worth more than its time at the batch's goodput, judged from the draft's
+confidence with an acceptance model learnt online (DSDE's KLD instability is one of its features), from step-cost
+tables the engine measures (README, "dsde-goodput"; `dsde_core/policies/goodput.py` and `stopping.py`). {warm_text}
 Real runs on this machine (throughput = output tokens/s of the whole cell; ratios within one run):
 
 {runs}

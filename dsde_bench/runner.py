@@ -32,6 +32,8 @@ from dsde_core.errors import ConfigError
 from dsde_core.policies import make_policy
 
 STATIC_KS: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
+WARM_SEED_OFFSET = 1000
+"""Warm-up prompts are sampled with seed + this, and never among the cell's own prompts."""
 FULL_POLICIES: tuple[str, ...] = (
     "off", *(f"static:{k}" for k in STATIC_KS), "heuristic", "adaedl", "acceptance", "dsde-nocap", "dsde",
     "dsde-goodput",
@@ -76,6 +78,7 @@ class GridConfig:
     warmup: bool = True
     ignore_eos: bool = False
     repeats: int = 1  # runs per cell; the fastest is kept (on a shared machine other work only adds time)
+    warm_requests: int = 0  # a policy that learns across requests first serves this many other prompts (untimed)
 
     def __post_init__(self) -> None:
         for w in self.workloads:
@@ -99,6 +102,8 @@ class GridConfig:
             raise ConfigError(f"max_tokens must be >= 2, got {self.max_tokens}")
         if self.repeats < 1:
             raise ConfigError(f"repeats must be >= 1, got {self.repeats}")
+        if self.warm_requests < 0:
+            raise ConfigError(f"warm_requests must be >= 0, got {self.warm_requests}")
         from dsde_bench.anchor import ALL_ANCHOR_SYSTEMS
 
         bad = [a for a in self.anchor if a not in ALL_ANCHOR_SYSTEMS]
@@ -165,10 +170,23 @@ def sampling_params(n: int, max_tokens: int, temperature: float, seed: int, igno
             for i in range(n)]
 
 
+@dataclass(frozen=True)
+class Warmup:
+    """Other prompts of the workload, served untimed by a policy that learns across requests before its cell."""
+
+    prompts: Sequence[Sequence[int]]
+    prompt_ids: Sequence[str]
+    params: Sequence[SamplingParams]
+
+
 def run_cell(engine: Engine, policy: str, prompts: Sequence[Sequence[int]], prompt_ids: Sequence[str],
-             params: Sequence[SamplingParams], batch: int, watch: int = 3) -> CellRun:
+             params: Sequence[SamplingParams], batch: int, watch: int = 3, warm: Warmup | None = None) -> CellRun:
     adaptive = policy != "off" and not policy.startswith("static")
-    rec = RecordingPolicy(make_policy(policy), watch=watch if adaptive else 0)
+    inner = make_policy(policy)
+    if warm is not None and inner.pooled and warm.prompts:  # steady state: what a server that has run a while sees
+        engine.set_policy(inner)
+        drive(engine, warm.prompts, warm.prompt_ids, warm.params, batch)
+    rec = RecordingPolicy(inner, watch=watch if adaptive else 0)
     engine.set_policy(rec)
     run = drive(engine, prompts, prompt_ids, params, batch)
     run.series = rec.series
@@ -227,8 +245,13 @@ def run_grid(backend: Backend, cfg: GridConfig, print_fn: Callable[[str], None] 
         pids = _unique_ids(prompts)
         ids = [backend.encode(p.text) for p in prompts]
         workload_prompts[w] = [{"id": pid, "tokens": len(x)} for pid, x in zip(pids, ids, strict=True)]
+        warm_prompts = load_workload(w, cfg.warm_requests, cfg.seed + WARM_SEED_OFFSET, cfg.max_chars,
+                                     frozenset(p.id for p in prompts)) if cfg.warm_requests else []
         for temp in cfg.temperatures:
             params = sampling_params(len(ids), cfg.max_tokens, temp, cfg.seed, cfg.ignore_eos)
+            warm = Warmup([backend.encode(p.text) for p in warm_prompts], [f"warm-{i}" for i in range(
+                len(warm_prompts))], sampling_params(len(warm_prompts), cfg.max_tokens, temp,
+                                                     cfg.seed + WARM_SEED_OFFSET, cfg.ignore_eos))
             for bs in cfg.batch_sizes:
                 # repeats run round-robin over the policies, and each keeps its fastest run: a burst of other
                 # work on a shared machine then costs every policy a round instead of biasing one of them
@@ -237,7 +260,7 @@ def run_grid(backend: Backend, cfg: GridConfig, print_fn: Callable[[str], None] 
                 for rep in range(cfg.repeats):
                     for pol in policies:
                         load0 = _loadavg()
-                        run = run_cell(backend.engine, pol, ids, pids, params, bs, cfg.watch)
+                        run = run_cell(backend.engine, pol, ids, pids, params, bs, cfg.watch, warm)
                         if pol not in best or run.wall_s < best[pol][0].wall_s:
                             best[pol] = (run, [load0, _loadavg()])
                         if rep < cfg.repeats - 1:

@@ -53,6 +53,7 @@ class CostModel:
     padded: bool = False
     draft_knee: int | None = None  # None: the target's knee
     points: dict[str, list[list[float]]] | None = None  # measured (n, seconds) pairs the fit came from
+    table: bool = False  # price forwards by the points themselves (interpolated), not by the hinge fitted to them
 
     def __post_init__(self) -> None:
         for f in ("target_base_s", "target_per_token_s", "draft_base_s", "draft_per_token_s"):
@@ -64,9 +65,13 @@ class CostModel:
             raise ConfigError(f"cost model {self.name!r}: knees must be >= 1, got {self.knee}, {self.draft_knee}")
 
     def target_fwd(self, n: int) -> float:
+        if self.table and self.points:
+            return _interpolate(self.points["target"], n)
         return self.target_base_s + self.target_per_token_s * max(0, n - self.knee)
 
     def draft_fwd(self, n: int) -> float:
+        if self.table and self.points:
+            return _interpolate(self.points["draft"], n)
         knee = self.knee if self.draft_knee is None else self.draft_knee
         return self.draft_base_s + self.draft_per_token_s * max(0, n - knee)
 
@@ -75,44 +80,62 @@ class CostModel:
         """A draft forward over a target forward, at one token."""
         return self.draft_base_s / self.target_base_s
 
-    def step(self, ks: Sequence[int], extra: Sequence[int] = ()) -> tuple[float, float]:
+    def step(self, ks: Sequence[int], extra: Sequence[int] = (),
+             draft_extra: Sequence[int] | None = None) -> tuple[float, float]:
         """(draft seconds, target seconds) of one step. ks: k per running sequence (0 included); extra: prompt
-        tokens fed this step per sequence (0 for all but newly admitted ones)."""
+        tokens the target is fed this step per sequence (0 for all but newly admitted ones); draft_extra: the same
+        for the draft (default: extra; the engine feeds a sequence's context to the draft when it first drafts)."""
         extra = list(extra) or [0] * len(ks)
+        d_extra = extra if draft_extra is None else list(draft_extra)
         kmax = max(ks, default=0)
         b = len(ks)
         draft = 0.0
         for j in range(1, kmax + 1):
             live = [i for i, k in enumerate(ks) if k >= j] if not self.padded else list(range(b))
-            n = len(live) + (sum(extra[i] for i in live) if j == 1 else 0)
+            n = len(live) + (sum(d_extra[i] for i in live) if j == 1 else 0)
             draft += self.draft_fwd(n)
         n_target = b * (kmax + 1) if self.padded else sum(k + 1 for k in ks)
         return draft, self.target_fwd(n_target + sum(extra))
 
-    def step_costs(self, batch: int) -> StepCosts:
-        """This profile as a cost-aware policy sees it at `batch` (what the engine's online fit converges to):
-        linear in sum k and max k around k = 0."""
+    def tables(self, batch: int, n: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """The verify and draft tables (n = 1..) a cost-aware policy sees at `batch`. Padded (vLLM-style): a draft
+        forward always runs the whole batch, and the verification pads every sequence to the longest."""
         b = max(batch, 1)
-        verify = self.target_fwd(b)
-        slope = (self.target_fwd(9 * b) - verify) / (8 * b)  # seconds per extra verified token
-        if self.padded:  # every sequence verifies max k + 1 tokens, every draft forward runs the whole batch
-            return StepCosts(verify, 0.0, self.draft_fwd(b) + slope * b, 0.0)
-        return StepCosts(verify, slope, self.draft_base_s, self.draft_per_token_s)
+        verify = tuple(self.target_fwd(i) for i in range(1, n + 1))
+        draft = tuple(self.draft_fwd(b) if self.padded else self.draft_fwd(i) for i in range(1, n + 1))
+        return verify, draft
 
 
 class ProfileCosts:
-    """Stands in for the engine's OnlineCostModel: costs frozen at a profile, so that an engine running a
-    cost-aware policy plans exactly what the simulator replays (validation)."""
+    """Stands in for the engine's OnlineCostModel: the profile's own tables, whatever the engine measures, so that an
+    engine running a cost-aware policy plans exactly what the simulator replays (validation)."""
 
     def __init__(self, cost: CostModel) -> None:
         self.cost = cost
         self.observed = 0
 
-    def estimate(self, batch: int) -> StepCosts:
-        return self.cost.step_costs(batch)
+    def estimate(self, batch: int, max_tokens: int | None = None) -> StepCosts:
+        b = max(batch, 1)
+        verify, draft = self.cost.tables(b, max(max_tokens or b * 21, b + 1))
+        return StepCosts(b, verify, draft, self.cost.padded)
 
-    def observe(self, ks: Sequence[int], draft_s: float, verify_s: float) -> None:
+    def observe(self, verify_tokens: int, verify_s: float, draft_forwards: int, draft_rows: int,
+                draft_s: float) -> None:
         self.observed += 1
+
+
+def _interpolate(points: Sequence[Sequence[float]], n: float) -> float:
+    """Seconds at n from measured (n, seconds) pairs: linear between them, flat before the first, and past the last
+    on the slope of the last two."""
+    xs = [p[0] for p in points]
+    ys = [p[1] for p in points]
+    if n <= xs[0]:
+        return ys[0]
+    for i in range(1, len(xs)):
+        if n <= xs[i]:
+            return ys[i - 1] + (ys[i] - ys[i - 1]) * (n - xs[i - 1]) / (xs[i] - xs[i - 1])
+    slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])) if len(xs) > 1 else 0.0
+    return ys[-1] + slope * (n - xs[-1])
 
 
 GPU_BASE_S = 0.030
@@ -164,9 +187,13 @@ def parse_profile(spec: str, measured: CostModel | None = None, engine: CostMode
             raise ConfigError(f"cost profile {spec!r}: cannot read {item!r} as key=number") from None
         if not eq:
             raise ConfigError(f"cost profile {spec!r}: {item!r} is not key=value")
+        if base.table and key != "ratio":
+            raise ConfigError(f"cost profile {spec!r}: a measured table takes only 'ratio'")
         if key == "ratio":
             kw["draft_base_s"] = num * base.target_base_s
             kw["draft_per_token_s"] = num * base.target_per_token_s
+            if base.table and base.points:  # the draft's points become ratio x the target's
+                kw["points"] = {**base.points, "draft": [[n, num * y] for n, y in base.points["target"]]}
         elif key == "knee":
             kw["knee"] = int(num)
         elif key == "base_ms":
@@ -189,12 +216,18 @@ def parse_profile(spec: str, measured: CostModel | None = None, engine: CostMode
     return replace(base, name=spec.strip(), **kw)
 
 
+MEASURED_SIZES: tuple[int, ...] = (*range(1, 49), 56, 64, 80, 96, 128, 160, 192, 256)
+"""Query tokens timed by measure_costs: every n up to 48 (a CPU GEMM's cost steps at multiples of 16), then sparser."""
+
+
 @torch.inference_mode()
-def measure_costs(target: Any, draft: Any, context: int = 128, repeats: int = 5,
-                  sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), slot: int = 0) -> CostModel:
-    """Time forwards of n query tokens after a `context`-token prefix, for each runner, and fit
-    base + per_token * max(0, n - knee) (knee chosen among the sizes). The minimum of `repeats` timings is kept:
-    on a shared machine other work only ever adds time. Uses one slot of each runner and leaves it empty."""
+
+def measure_costs(target: Any, draft: Any, context: int = 128, repeats: int = 3,
+                  sizes: Sequence[int] = MEASURED_SIZES, slot: int = 0) -> CostModel:
+    """Time forwards of n query tokens after a `context`-token prefix, for each runner: the profile prices forwards
+    by these points (a table), and also carries the hinge base + per_token * max(0, n - knee) fitted to them. The
+    minimum of `repeats` timings is kept: on a shared machine other work only ever adds time. Uses one slot of each
+    runner and leaves it empty."""
     def timings(runner: Any) -> list[list[float]]:
         runner.set_length(slot, 0)
         runner.forward([slot], [[1] * context], [1])  # the prefix's KV stays; each timing rolls back to it
@@ -213,7 +246,8 @@ def measure_costs(target: Any, draft: Any, context: int = 128, repeats: int = 5,
     tp, dp = timings(target), timings(draft)
     tb, tt, tk = fit_hinge(tp)
     db, dt, dk = fit_hinge(dp)
-    return CostModel("measured", tb, tt, db, dt, knee=tk, draft_knee=dk, points={"target": tp, "draft": dp})
+    return CostModel("measured", tb, tt, db, dt, knee=tk, draft_knee=dk, points={"target": tp, "draft": dp},
+                     table=True)
 
 
 def fit_engine_steps(rows: Sequence[Sequence[float]]) -> CostModel:
@@ -235,7 +269,8 @@ def fit_engine_steps(rows: Sequence[Sequence[float]]) -> CostModel:
     dp = [[float(n), min(v)] for n, v in sorted(d_groups.items())]
     tb, tt, tk = fit_hinge(tp)
     db, dt, dk = fit_hinge(dp)
-    return CostModel("engine", tb, tt, db, dt, knee=tk, draft_knee=dk, points={"target": tp, "draft": dp})
+    return CostModel("engine", tb, tt, db, dt, knee=tk, draft_knee=dk, points={"target": tp, "draft": dp},
+                     table=True)
 
 
 def fit_hinge(points: Sequence[Sequence[float]]) -> tuple[float, float, int]:
@@ -315,7 +350,8 @@ class SimRun:
 
     policy: str
     batch: int
-    steps: list[tuple[list[int], list[int]]]  # (ks of all running sequences, prompt tokens fed by each)
+    steps: list[tuple[list[int], list[int], list[int]]]  # (ks of all running sequences, prompt tokens each fed
+    # the target, context tokens each fed the draft at its first drafting step)
     requests: list[_Live]
     finished_step: dict[str, int]
     series: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
@@ -324,8 +360,8 @@ class SimRun:
         """Per-request records and per-step samples with times from `cost`; the total simulated time."""
         samples = []
         clock = [0.0]
-        for ks, extra in self.steps:
-            d, t = cost.step(ks, extra)
+        for ks, extra, draft_extra in self.steps:
+            d, t = cost.step(ks, extra, draft_extra)
             samples.append(StepSample(len(ks), [k for k in ks if k > 0], d, t, prefill=any(extra)))
             clock.append(clock[-1] + d + t)
         recs = []
@@ -359,9 +395,10 @@ def simulate(trace: Trace, policy: str | SpeculationPolicy, batch: int, max_sl: 
     todo = [(f"{trace.seqs[i % len(trace.seqs)].id}" + (f"#{i // len(trace.seqs)}" if i >= len(trace.seqs) else ""),
              trace.seqs[i % len(trace.seqs)]) for i in range(n_req)]
     todo.reverse()
+    costs = ProfileCosts(cost) if cost is not None else None
     running: list[_Live] = []
     everyone: list[_Live] = []
-    steps: list[tuple[list[int], list[int]]] = []
+    steps: list[tuple[list[int], list[int], list[int]]] = []
     finished: dict[str, int] = {}
     while todo or running:
         step = len(steps)
@@ -372,25 +409,22 @@ def simulate(trace: Trace, policy: str | SpeculationPolicy, batch: int, max_sl: 
             everyone.append(live)
         if isinstance(pol, OraclePolicy):
             pol.lookahead = {r.rid: r.seq.match(r.pos) for r in running}
-        infos = [SeqInfo(r.rid, 0.0, max(0, min(cap_sl, limit - r.out - 1))) for r in running]
-        plans = rec.plan(infos, cost.step_costs(len(infos)) if cost is not None else None)
-        ks, extra, fbs = [], [], []
-        for r, info, p in zip(running, infos, plans, strict=True):
-            k = min(p.k, info.max_k)
-            proposed = k
-            ents = r.seq.entropy[r.pos]
-            if p.min_confidence is not None:
-                for j in range(k):
-                    if should_stop(entropy_confidence(ents[j]), p.min_confidence):
-                        proposed = j + 1
-                        break
-            acc = min(proposed, r.seq.match(r.pos))
-            ks.append(proposed)
-            extra.append(r.seq.prompt_tokens - 1 if r.steps == 0 else 0)
-            fbs.append(StepFeedback(r.rid, k, proposed, acc, tuple(r.seq.kld[r.pos][:proposed]),
-                                    tuple(ents[:proposed])))
+        pending = [r.seq.prompt_tokens if r.steps == 0 else 1 for r in running]
+        infos = [SeqInfo(r.rid, 0.0, max(0, min(cap_sl, limit - r.out - 1)), n) for r, n in zip(running, pending,
+                                                                                                 strict=True)]
+        plans = rec.plan(infos, costs.estimate(len(infos), sum(pending) + sum(i.max_k for i in infos))
+                         if costs is not None else None)
+        ks = _draft_levels(running, plans, [min(p.k, i.max_k) for p, i in zip(plans, infos, strict=True)])
+        fbs = []
+        for r, p, k, info in zip(running, plans, ks, infos, strict=True):
+            acc = min(k, r.seq.match(r.pos))
+            fbs.append(StepFeedback(r.rid, min(p.k, info.max_k), k, acc, tuple(r.seq.kld[r.pos][:k]),
+                                    tuple(r.seq.entropy[r.pos][:k]), tuple(r.seq.top1[r.pos][:k])))
         rec.observe(fbs)
-        steps.append((ks, extra))
+        # the draft learns a sequence's context (prompt and output so far) when the sequence first drafts
+        draft_extra = [r.seq.prompt_tokens - 1 + r.out if k > 0 and not r.drafted else 0 for r, k in zip(running, ks,
+                                                                                                       strict=True)]
+        steps.append((ks, [n - 1 for n in pending], draft_extra))
         for r, fb in zip(running, fbs, strict=True):
             _commit(r, fb, limit, step)
         for r in [r for r in running if r.done]:
@@ -398,6 +432,35 @@ def simulate(trace: Trace, policy: str | SpeculationPolicy, batch: int, max_sl: 
             rec.release(r.rid)
         running = [r for r in running if not r.done]
     return SimRun(name, batch, steps, everyone, finished, rec.series)
+
+
+def _draft_levels(running: list[_Live], plans: Sequence[Plan], caps: Sequence[int]) -> list[int]:
+    """The draft worker's loop (dsde_core.workers.DraftWorker.propose) on the trace: level by level, row i stops at its
+    cap, at its AdaEDL confidence stop, or where the batch's DraftStop ends it. Returns the tokens each proposed."""
+    stop = next((p.stop for p in plans if p.stop is not None), None)
+    n = [0] * len(running)
+    reach = [1.0] * len(running)
+    live = [i for i, c in enumerate(caps) if c > 0]
+    drafted = level = 0
+    while live:
+        nxt = []
+        for i in live:
+            r, p, j = running[i], plans[i], n[i]
+            n[i] += 1
+            if stop is not None and p.p_next is not None:
+                reach[i] *= stop.accept_prob(r.seq.top1[r.pos][j], p.accept_model)
+            if n[i] < caps[i] and not should_stop(entropy_confidence(r.seq.entropy[r.pos][j]), p.min_confidence):
+                nxt.append(i)
+        drafted += len(live)
+        level += 1
+        ruled = [i for i in nxt if plans[i].p_next is not None]
+        if stop is not None and ruled:
+            go = stop.next_level([reach[i] for i in ruled], [plans[i].p_next for i in ruled],
+                                 [caps[i] - n[i] for i in ruled], drafted, level)
+            keep = {i for i, g in zip(ruled, go, strict=True) if g}
+            nxt = [i for i in nxt if plans[i].p_next is None or i in keep]
+        live = nxt
+    return n
 
 
 def _commit(r: _Live, fb: StepFeedback, limit: int, step: int) -> None:

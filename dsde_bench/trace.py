@@ -6,6 +6,7 @@ tokens[:i]) record the draft's greedy rollout of H tokens from P_i, and for each
     kld[i][j]      KL(target || draft) at that position, sparse (the draft's top-K + a rest bin) at the signal
                    temperature 1: exactly the value the engine's target worker reports
     entropy[i][j]  the draft's entropy there (AdaEDL's stop statistic)
+    top1[i][j]     the draft's probability of its argmax there, at the signal temperature (its confidence)
 A step that starts at position i and proposes k tokens then sees draft[i][:k], kld[i][:k], entropy[i][:k], and
 accepts the longest prefix of draft[i] that equals tokens[i:]: the engine's step, replayed without a model.
 Positions after a rejection are covered too (the rollout continues on the draft's own tokens, as in the engine).
@@ -30,7 +31,7 @@ from dsde_core.models.runner import ModelRunner
 from dsde_core.sampling import draft_dist
 from dsde_core.signals import sparse_kld
 
-TRACE_VERSION = 1
+TRACE_VERSION = 2
 _GREEDY = SamplingParams(temperature=0.0)
 
 
@@ -43,6 +44,7 @@ class SeqTrace:
     draft: list[list[int]]
     kld: list[list[float]]
     entropy: list[list[float]]
+    top1: list[list[float]] = field(default_factory=list)
     prompt: list[int] = field(default_factory=list)  # the prompt's token ids (to rerun it on the real engine)
 
     def match(self, i: int) -> int:
@@ -76,6 +78,7 @@ class Trace:
         for s in d["seqs"]:
             s["kld"] = [[round(v, 6) for v in row] for row in s["kld"]]
             s["entropy"] = [[round(v, 5) for v in row] for row in s["entropy"]]
+            s["top1"] = [[round(v, 5) for v in row] for row in s["top1"]]
         return d
 
     @classmethod
@@ -126,6 +129,7 @@ class _Roll:
     drafts: list[int] = field(default_factory=list)  # rollout tokens d_1..d_h
     klds: list[float] = field(default_factory=list)
     ents: list[float] = field(default_factory=list)
+    top1: list[float] = field(default_factory=list)
     argmax: list[int] = field(default_factory=list)  # target argmax after P_i + d_1..d_j, j = 0..h
     last_probs: torch.Tensor | None = None  # target probabilities after the whole rollout (for the next KLD)
 
@@ -144,7 +148,7 @@ def _record_chunk(target: ModelRunner, draft: ModelRunner, chunk: list[tuple[Seq
         if need > target.cache.max_seq_len or need > draft.cache.max_seq_len:
             raise ConfigError(f"prompt ({len(p)} tokens) + max_tokens + horizon = {need} exceeds the runners' "
                               f"max_seq_len {min(target.cache.max_seq_len, draft.cache.max_seq_len)}")
-    rolls = [_Roll(p, SeqTrace(pid, len(p), [], None, [], [], [], list(p)))
+    rolls = [_Roll(p, SeqTrace(pid, len(p), [], None, [], [], [], [], list(p)))
              for p, (_, pid) in zip(prompts, chunk, strict=True)]
     for s in slots:
         target.set_length(s, 0)
@@ -169,6 +173,7 @@ def _record_chunk(target: ModelRunner, draft: ModelRunner, chunk: list[tuple[Seq
                 r.seq.draft.append(list(r.drafts))
                 r.seq.kld.append(list(r.klds))
                 r.seq.entropy.append(list(r.ents))
+                r.seq.top1.append(list(r.top1))
             if progress is not None:
                 progress(len(slots))
     finally:
@@ -179,7 +184,7 @@ def _record_chunk(target: ModelRunner, draft: ModelRunner, chunk: list[tuple[Seq
 
 
 def _shift(r: _Roll) -> None:
-    r.drafts, r.klds, r.ents, r.argmax = r.drafts[1:], r.klds[1:], r.ents[1:], r.argmax[1:]
+    r.drafts, r.klds, r.ents, r.top1, r.argmax = r.drafts[1:], r.klds[1:], r.ents[1:], r.top1[1:], r.argmax[1:]
 
 
 def _kld(probs: torch.Tensor, dists: list[Any]) -> list[float]:
@@ -204,7 +209,7 @@ def _forward(target: ModelRunner, draft: ModelRunner, rolls: list[_Roll], slots:
             feeds[b] = [r.seq.tokens[-1]]
         else:
             feeds[b] = list(r.prompt)
-        r.drafts, r.klds, r.ents, r.argmax = [], [], [], []
+        r.drafts, r.klds, r.ents, r.top1, r.argmax = [], [], [], [], []
     for b in ext:
         feeds[b] = [rolls[b].drafts[-1]]
     # draft: forward 1 for everyone that needs a token, then the full rollouts alone
@@ -219,6 +224,7 @@ def _forward(target: ModelRunner, draft: ModelRunner, rolls: list[_Roll], slots:
             new_dists[b].append(d)
             rolls[b].drafts.append(int(d.ids[0]))
             rolls[b].ents.append(d.entropy)
+            rolls[b].top1.append(float(d.q_signal[0]))
             if b in feeds and b not in ext and j + 1 < h:
                 nxt.append(b)
         live = nxt

@@ -209,8 +209,10 @@ def records(workload: str) -> tuple[tuple[str, str], ...]:
     return tuple(READERS[workload](data_path(workload)))
 
 
-def load_workload(name: str, n: int, seed: int = 0, max_chars: int = DEFAULT_MAX_CHARS) -> list[Prompt]:
-    """n prompts of a workload, sampled without replacement by seed among those of at most max_chars characters.
+def load_workload(name: str, n: int, seed: int = 0, max_chars: int = DEFAULT_MAX_CHARS,
+                  exclude: frozenset[str] = frozenset()) -> list[Prompt]:
+    """n prompts of a workload, sampled without replacement by seed among those of at most max_chars characters
+    whose ids are not in `exclude` (e.g. another sample's, to warm a policy up on other prompts).
 
     "mixed" interleaves the five single workloads round-robin (chat, code, math, summ, qa, chat, ...), each
     sampled with the same seed, so mixed's prompts are the first ceil(n/5) prompts of each workload.
@@ -224,9 +226,9 @@ def load_workload(name: str, n: int, seed: int = 0, max_chars: int = DEFAULT_MAX
     if name == "mixed":
         singles = list(SOURCES)
         per = -(-n // len(singles))
-        pools = [load_workload(w, per, seed, max_chars) for w in singles]
+        pools = [load_workload(w, per, seed, max_chars, exclude) for w in singles]
         return [pools[i % len(singles)][i // len(singles)] for i in range(n)]
-    pool = [(rid, text) for rid, text in records(name) if len(text) <= max_chars]
+    pool = [(rid, text) for rid, text in records(name) if len(text) <= max_chars and rid not in exclude]
     if len(pool) < n:
         raise ConfigError(f"workload {name!r} has {len(pool)} prompts of <= {max_chars} characters; asked for {n}")
     rng = random.Random(f"{name}:{seed}")  # str seeds hash deterministically (not PYTHONHASHSEED-dependent)

@@ -1,57 +1,104 @@
-"""The step-cost model: what a step will cost, learnt online from the step times the engine observes.
+"""The step-cost model: what the forwards of a step will cost, learnt online from the decode steps the engine times.
 
-One engine step with per-sequence draft lengths k_i over a batch of B sequences costs
-    draft  = D0 * max_i k_i + D1 * sum_i k_i            max k batched draft forwards; rows shrink as sequences stop
-    verify = V0 + V1 * B + C * sum_i k_i                one ragged target forward over sum_i (k_i + 1) tokens
-StepCosts is that model evaluated at one B; the policy only ever uses ratios of its terms. OnlineCostModel fits the
-five coefficients by recursive least squares with forgetting (old hardware states fade) on every decode step the
-engine times, starting from a prior shaped like this CPU pair (a draft forward ~ 1/4 of a target forward) so that
-a cost-aware policy behaves sensibly before the first measurement.
+One engine step over a batch of B sequences, sequence i feeding n_i pending tokens (1 when decoding) and k_i drafts:
+    verify = V(sum_i (n_i + k_i))               one ragged target forward; V(n) = seconds over n query tokens
+    draft  = sum_{l=1..max k} D(m_l)            one batched draft forward per level, m_l = rows drafting at level l
+V is a table, not a line: on a CPU a oneDNN GEMM is flat in the rows up to a block of 16 and then jumps (here
++45 ms, a third of a step, from 16 to 17 query tokens), and a GPU forward is flat up to its compute knee. The
+target's forward is timed on its own every step with its exact n, so OnlineCostModel keeps one running mean per
+n; an n it has not seen is priced linearly between the n seen around it (optimistic just past a jump, so that n
+gets tried once and learnt), past them as a linear prior scaled to the nearest n seen, and the table is made
+non-decreasing. The draft's forward is
+only timed per call (several levels), so D(m) = D0 + D1 m over m rows is fitted by recursive least squares to
+(forwards, rows summed over them) -> seconds.
+
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from dsde_core.errors import ConfigError
 
 
+def _extend(table: Sequence[float], n: int) -> float:
+    """table[n - 1] for n = 1..len; past the end, linear on the slope of the last 16 entries; 0 for n <= 0."""
+    if n <= 0:
+        return 0.0
+    if n <= len(table):
+        return table[n - 1]
+    span = min(16, len(table) - 1)
+    slope = (table[-1] - table[-1 - span]) / span if span > 0 else 0.0
+    return table[-1] + max(slope, 0.0) * (n - len(table))
+
+
 @dataclass(frozen=True)
 class StepCosts:
-    """Predicted seconds of the parts of one step at a fixed batch size."""
+    """Predicted seconds of the forwards of one step at batch size `batch`."""
 
-    verify_s: float  # the target forward with no draft tokens (k_i = 0 for all i)
-    verify_per_token_s: float  # + this per draft token verified
-    draft_fwd_s: float  # one batched draft forward, paid max_i k_i times
-    draft_per_token_s: float  # + this per draft token proposed
+    batch: int
+    verify_table: tuple[float, ...]  # [N]: a target forward over n = 1..N query tokens (non-decreasing)
+    draft_table: tuple[float, ...]  # [M]: a draft forward over n = 1..M query tokens
+    padded: bool = False  # the target verifies every sequence padded to the longest draft (vLLM-style engines)
 
     def __post_init__(self) -> None:
-        if not self.verify_s > 0:
-            raise ConfigError(f"StepCosts.verify_s must be > 0, got {self.verify_s}")
-        for name in ("verify_per_token_s", "draft_fwd_s", "draft_per_token_s"):
-            if not getattr(self, name) >= 0:
-                raise ConfigError(f"StepCosts.{name} must be >= 0, got {getattr(self, name)}")
+        if self.batch < 1:
+            raise ConfigError(f"StepCosts.batch must be >= 1, got {self.batch}")
+        if not self.verify_table or not all(v > 0 for v in self.verify_table):
+            raise ConfigError("StepCosts.verify_table must be non-empty and positive")
+        if not self.draft_table or not all(v >= 0 for v in self.draft_table):
+            raise ConfigError("StepCosts.draft_table must be non-empty and non-negative")
 
-    def step_s(self, ks: Sequence[int]) -> float:
-        """Seconds of a step with these k_i (0 included)."""
-        total, longest = sum(ks), max(ks, default=0)
-        return self.verify_s + (self.verify_per_token_s + self.draft_per_token_s) * total + self.draft_fwd_s * longest
+    def verify(self, n: int) -> float:
+        """Seconds of a target forward over n query tokens."""
+        return _extend(self.verify_table, n)
+
+    def draft(self, n: int) -> float:
+        """Seconds of a draft forward over n query tokens; 0 for no forward."""
+        return _extend(self.draft_table, n)
+
+    def step_s(self, ks: Sequence[int], base: int | None = None) -> float:
+        """Seconds of a step in which sequence i proposes ks[i] and the target is fed `base` tokens besides the drafts
+        (default: one per sequence)."""
+        levels = sum(self.draft(sum(k >= level for k in ks)) for level in range(1, max(ks, default=0) + 1))
+        drafts = len(ks) * max(ks, default=0) if self.padded else sum(ks)
+        return self.verify((len(ks) if base is None else base) + drafts) + levels
+
+    # the model at a glance (gauges): at this batch, around k = 0
+    @property
+    def verify_s(self) -> float:
+        return self.verify(self.batch)
+
+    @property
+    def verify_per_token_s(self) -> float:
+        return (self.verify(5 * self.batch) - self.verify(self.batch)) / (4 * self.batch)
+
+    @property
+    def draft_fwd_s(self) -> float:
+        return self.draft(self.batch)
+
+    @property
+    def draft_per_token_s(self) -> float:
+        return (self.draft(2 * self.batch) - self.draft(self.batch)) / self.batch
 
 
 @dataclass(frozen=True)
 class CostPrior:
-    """The model before any measurement, in seconds (the ratios are what matter: a ~0.25 draft/target ratio)."""
+    """The model before any measurement, in seconds (shaped like this CPU pair: a draft forward ~1/4 of a target's)."""
 
     verify_base_s: float = 0.080
-    verify_per_seq_s: float = 0.004
-    verify_per_token_s: float = 0.004
+    verify_per_token_s: float = 0.002
     draft_fwd_s: float = 0.020
-    draft_per_token_s: float = 0.001
-    weight: float = 4.0  # how many observations the prior is worth
-    forgetting: float = 0.98  # per observation: the fit's memory is ~1 / (1 - forgetting) = 50 steps
+    draft_per_token_s: float = 0.002
+    weight: float = 4.0  # how many observations the draft prior is worth
+    forgetting: float = 0.98  # per observation: the draft fit's memory is ~1 / (1 - forgetting) = 50 steps
+    memory: int = 20  # a verify table entry is the running mean of its last ~memory observations
+
+    def verify(self, n: int) -> float:
+        return self.verify_base_s + self.verify_per_token_s * max(n - 1, 0)
 
 
 class _RLS:
@@ -80,39 +127,61 @@ class _RLS:
         p = (self.p - np.outer(gain, px)) / self.lam
         if not (np.all(np.isfinite(theta)) and np.all(np.isfinite(p))):
             return
-        if np.max(np.diag(p)) > self.max_var:  # only then: an eigendecomposition (3x3) per update is not needed
+        if np.max(np.diag(p)) > self.max_var:  # only then: an eigendecomposition per update is not needed
             w, v = np.linalg.eigh((p + p.T) / 2)
             p = (v * np.minimum(w, self.max_var)) @ v.T
         self.theta, self.p = theta, p
 
 
+@dataclass
 class OnlineCostModel:
     """Fits the step-cost model above to the engine's decode steps (prefill steps are not decode costs)."""
 
-    def __init__(self, prior: CostPrior | None = None) -> None:
-        p = prior or CostPrior()
-        self.prior = p
-        # the typical size of each feature: 1, B ~ 8, sum k ~ 8;  max k ~ 4, sum k ~ 16
-        self._verify = _RLS([p.verify_base_s, p.verify_per_seq_s, p.verify_per_token_s], [1.0, 8.0, 8.0], p.weight,
-                            p.forgetting)
-        self._draft = _RLS([p.draft_fwd_s, p.draft_per_token_s], [4.0, 16.0], p.weight, p.forgetting)
-        self.observed = 0
+    prior: CostPrior = field(default_factory=CostPrior)
+    observed: int = 0
 
-    def observe(self, ks: Sequence[int], draft_s: float, verify_s: float) -> None:
-        """One decode step: k_i per running sequence, the seconds of its draft and verify phases."""
-        b, total, longest = len(ks), sum(ks), max(ks, default=0)
-        if b == 0:
+    def __post_init__(self) -> None:
+        p = self.prior
+        self._mean: dict[int, float] = {}  # n -> running mean seconds of a target forward over n tokens
+        self._count: dict[int, int] = {}
+        self._draft = _RLS([p.draft_fwd_s, p.draft_per_token_s], [4.0, 16.0], p.weight, p.forgetting)
+
+    def observe(self, verify_tokens: int, verify_s: float, draft_forwards: int, draft_rows: int,
+                draft_s: float) -> None:
+        """One decode step: the target forward over verify_tokens query tokens took verify_s; the draft call ran
+        draft_forwards batched forwards over draft_rows rows in all in draft_s."""
+        if verify_tokens < 1 or not verify_s > 0:
             return
-        self._verify.update([1.0, b, total], verify_s)
-        if longest > 0:
-            self._draft.update([longest, total], draft_s)
+        c = self._count.get(verify_tokens, 0) + 1
+        m = self._mean.get(verify_tokens, verify_s)
+        self._mean[verify_tokens] = m + (verify_s - m) / min(c, self.prior.memory)
+        self._count[verify_tokens] = c
+        if draft_forwards > 0:
+            self._draft.update([draft_forwards, draft_rows], draft_s)
         self.observed += 1
 
-    def estimate(self, batch: int) -> StepCosts:
-        """The model at batch size `batch`; coefficients are floored so that costs stay positive."""
-        v0, v1, c = self._verify.theta
-        d0, d1 = self._draft.theta
-        floor = 0.05 * self.prior.verify_base_s
-        verify = max(v0 + v1 * max(batch, 1), floor)
-        return StepCosts(verify_s=float(verify), verify_per_token_s=float(max(c, 0.0)),
-                         draft_fwd_s=float(max(d0, 0.0)), draft_per_token_s=float(max(d1, 0.0)))
+    def verify_table(self, n: int) -> np.ndarray:
+        """[n]: V(1..n): the running mean seen at each n, linear between the n seen, and outside them the prior scaled
+        by the nearest n seen; not yet made non-decreasing."""
+        ns = np.arange(1, n + 1)
+        p = self.prior
+        prior = p.verify_base_s + p.verify_per_token_s * (ns - 1)
+        if not self._mean:
+            return prior
+        keys = np.array(sorted(self._mean))
+        means = np.array([self._mean[k] for k in keys.tolist()])
+        ratio = means / (p.verify_base_s + p.verify_per_token_s * (keys - 1))  # seen / prior
+        outside = prior * np.where(ns < keys[0], ratio[0], ratio[-1])
+        return np.where((ns >= keys[0]) & (ns <= keys[-1]), np.interp(ns, keys, means), outside)
+
+    def verify(self, n: int) -> float:
+        return float(self.verify_table(n)[-1])
+
+    def estimate(self, batch: int, max_tokens: int | None = None) -> StepCosts:
+        """The model at batch size `batch`, tabled up to max_tokens query tokens (default batch x 21)."""
+        b = max(batch, 1)
+        n = max(max_tokens or b * 21, b + 1)
+        table = np.maximum.accumulate(self.verify_table(n))
+        d0, d1 = (max(float(v), 0.0) for v in self._draft.theta)
+        drafts = tuple(d0 + d1 * i for i in range(1, n + 1))
+        return StepCosts(b, tuple(table.tolist()), drafts)

@@ -13,7 +13,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from dsde_core.config import EngineConfig, SamplingParams, SpeculationParams
@@ -72,6 +72,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.step_log: deque[StepRecord] = deque(maxlen=4096)
         self.costs = OnlineCostModel()  # learnt from this engine's decode steps; cost-aware policies plan with it
+        self._draft_rows = 0
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()  # add_request / cancel may come from other threads
         self.health = {role: WorkerHealth(role) for role in ROLES}  # see dsde_core.recovery and _recover
@@ -134,8 +135,10 @@ class Engine:
         t1 = time.perf_counter()
         proposals = self._propose(plans)
         t2 = time.perf_counter()
+        pending = [self._pending(r) for r in self.running]
+        tasks = [self._verify_task(r, proposals.get(r.req_id)) for r in self.running]
         try:
-            verdicts = self.target.verify([self._verify_task(r, proposals.get(r.req_id)) for r in self.running])
+            verdicts = self.target.verify(tasks)
         except WorkerUnavailable as e:  # nothing was committed: the step is lost, the requests wait for the target
             self._failed("target", e)
             return outputs
@@ -147,9 +150,9 @@ class Engine:
             except WorkerUnavailable as e:
                 self._failed("policy", e)
         ks = [len(v.kld) for v in verdicts]  # tokens proposed per sequence, 0 included
-        if not prefill:
-            self.costs.observe(ks, t2 - t1, t3 - t2)
         emitted = [self._commit(r, v) for r, v in zip(self.running, verdicts, strict=True)]
+        if not prefill:
+            self._observe_costs(pending, proposals, t2 - t1, t3 - t2)
         self.step_log.append(StepRecord(
             batch=len(verdicts), ks=ks, emitted=sum(len(o.token_ids) for o in emitted), draft_s=t2 - t1,
             target_s=t3 - t2, total_s=time.perf_counter() - t0, prefill=prefill))
@@ -159,9 +162,25 @@ class Engine:
         return outputs + emitted
 
     def _plan(self) -> dict[str, Plan]:
-        infos = [SeqInfo(r.req_id, r.params.temperature, self._max_k(r)) for r in self.running]
-        plans = self.policy.plan(infos, self.costs.estimate(len(infos)))
-        return {i.req_id: Plan(min(p.k, i.max_k), p.min_confidence) for i, p in zip(infos, plans, strict=True)}
+        infos = [SeqInfo(r.req_id, r.params.temperature, self._max_k(r), self._pending(r)) for r in self.running]
+        costs = self.costs.estimate(len(infos), sum(i.pending + i.max_k for i in infos))
+        plans = self.policy.plan(infos, costs)
+        return {i.req_id: replace(p, k=min(p.k, i.max_k)) for i, p in zip(infos, plans, strict=True)}
+
+    @staticmethod
+    def _pending(r: Request) -> int:
+        """Tokens the target is fed for r this step besides the drafts: its whole context after a (re)start, else 1
+        (the target's cache holds every committed token but the last: the correction or bonus token)."""
+        return r.num_tokens if r.synced_target == 0 else 1
+
+    def _observe_costs(self, pending: list[int], proposals: dict[str, Proposal], draft_s: float,
+                       verify_s: float) -> None:
+        """Feed one decode step to the cost model: the target's query tokens; the draft's forwards (its levels) and
+        rows over them (one per drafted token; a call that only caught caches up is one forward of its rows)."""
+        proposed = [len(p.tokens) for p in proposals.values()]
+        forwards, rows = (max(proposed), sum(proposed)) if proposed else (int(self._draft_rows > 0),
+                                                                           self._draft_rows)
+        self.costs.observe(sum(pending) + sum(proposed), verify_s, forwards, rows, draft_s)
 
     def _max_k(self, r: Request) -> int:
         """Ceiling on k: no draft, speculation off, global and per-request max SL, tokens left to generate."""
@@ -172,6 +191,7 @@ class Engine:
         return max(0, min(self.config.max_sl, per_request, r.remaining() - 1))
 
     def _propose(self, plans: dict[str, Plan]) -> dict[str, Proposal]:
+        self._draft_rows = 0  # rows of the draft call this step (for the cost model)
         if self.draft is None or self.health["draft"].down:
             return {}
         tasks, reqs = [], []
@@ -180,17 +200,22 @@ class Engine:
             plan = plans[r.req_id]
             # A sequence with k = 0 still feeds its committed tokens to the draft when the batch drafts anyway
             # (its rows ride in the first draft forward) or when it lags by draft_max_lag tokens: its draft cache
-            # never goes stale, so turning speculation back on needs no catch-up and loses no acceptance.
+            # never goes stale, so turning speculation back on needs no catch-up and loses no acceptance. A sequence
+            # that has never drafted (or whose draft restarted) defers its prompt until it drafts: a prompt is a
+            # prefill, not a cheap ride, and a request that never speculates never pays for it.
             lag = r.num_tokens - r.synced_draft
-            ride = lag > 0 and (drafting or lag >= self.config.draft_max_lag)
+            ride = lag > 0 and r.synced_draft > 0 and (drafting or lag >= self.config.draft_max_lag)
             if plan.k > 0 or ride or self.config.draft_catch_up:
-                tasks.append(DraftTask(r.slot, r.tokens[r.synced_draft:], plan.k, plan.min_confidence))
+                tasks.append(DraftTask(r.slot, r.tokens[r.synced_draft:], plan.k, plan.min_confidence, plan.p_next,
+                                       plan.accept_model))
                 reqs.append(r)
                 r.synced_draft = r.num_tokens
         if not tasks:
             return {}
+        self._draft_rows = len(tasks)
+        stop = next((p.stop for p in plans.values() if p.stop is not None), None)  # one rule for the batch
         try:
-            proposals = self.draft.propose(tasks)
+            proposals = self.draft.propose(tasks, stop) if stop is not None else self.draft.propose(tasks)
         except WorkerUnavailable as e:  # this step and the next ones go on target-only until the draft is back
             self._failed("draft", e)
             return {}
@@ -206,7 +231,7 @@ class Engine:
         dists = prop.dists if prop else []
         entropy = tuple(d.entropy for d in dists)  # computed by the draft only where a confidence stop needs it
         return StepFeedback(r.req_id, plan.k, len(dists), v.accepted, tuple(v.kld),
-                            entropy if all(h == h for h in entropy) else ())
+                            entropy if all(h == h for h in entropy) else (), tuple(prop.conf) if prop else ())
 
     def _commit(self, r: Request, v: Verdict) -> RequestOutput:
         now = time.perf_counter()

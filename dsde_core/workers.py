@@ -20,6 +20,7 @@ from dsde_core.config import SamplingParams
 from dsde_core.errors import WorkerStateLost
 from dsde_core.models.runner import ModelRunner
 from dsde_core.policies.adaedl import entropy_confidence, should_stop
+from dsde_core.policies.stopping import DraftStop
 from dsde_core.sampling import (
     DraftDist,
     draft_dist,
@@ -37,8 +38,10 @@ from dsde_core.signals import sparse_kld_at
 class DraftTask:
     slot: int
     new_tokens: list[int]  # committed tokens this worker has not seen yet
-    k: int  # tokens to propose; 0: only catch the cache up with the committed tokens
+    k: int  # tokens to propose at most; 0: only catch the cache up with the committed tokens
     min_confidence: float | None = None  # stop after token t when 1 - sqrt(0.1 * H(q_t)) < min_confidence
+    p_next: float | None = None  # the batch's DraftStop decides when this row stops (see Plan.p_next)
+    accept_model: tuple[float, float] = (0.0, 1.0)  # this row's acceptance model in the DraftStop
 
 
 @dataclass
@@ -46,6 +49,7 @@ class Proposal:
     slot: int
     tokens: list[int]  # [k'] proposed, k' <= k
     dists: list[DraftDist]  # [k'] the sparse distribution each token was drawn from
+    conf: list[float] = field(default_factory=list)  # [k'] q_signal of each proposed token (its confidence)
 
 
 @dataclass
@@ -128,14 +132,17 @@ class DraftWorker(_Worker):
         self._noise_gen = torch.Generator().manual_seed(12345)
 
     @torch.inference_mode()
-    def propose(self, tasks: list[DraftTask]) -> list[Proposal]:
-        """Run max(k) batched draft steps; sequence i stops after k_i tokens (or its confidence stop)."""
+    def propose(self, tasks: list[DraftTask], stop: DraftStop | None = None) -> list[Proposal]:
+        """Batched draft levels; row i stops after k_i tokens, at its AdaEDL confidence stop, or where `stop` (the
+        cost-aware rule, for rows with p_next) ends it. Each level is one forward of the rows still drafting."""
         feeds = {t.slot: self._sync(t.slot, t.new_tokens) for t in tasks}
         out = {t.slot: Proposal(t.slot, [], []) for t in tasks}
+        reach = {t.slot: 1.0 for t in tasks}  # pi: the chance that every token drafted so far is accepted
         # sequences with k = 0 only catch up: feed all but the last committed token, which the next step feeds
         catch_up = [t for t in tasks if t.k == 0 and len(feeds[t.slot]) > 1]
         live = [t for t in tasks if t.k > 0]
         batch = [(t.slot, feeds[t.slot]) for t in live] + [(t.slot, feeds[t.slot][:-1]) for t in catch_up]
+        drafted = level = 0
         while batch:
             slots = [slot for slot, _ in batch]
             logits = self.runner.forward(slots, [toks for _, toks in batch], [1] * len(batch))  # [B, V]
@@ -152,12 +159,30 @@ class DraftWorker(_Worker):
                 prop = out[t.slot]
                 prop.tokens.append(x)
                 prop.dists.append(dist)
-                stop = should_stop(entropy_confidence(dist.entropy), t.min_confidence)  # AdaEDL's early stop
-                if len(prop.tokens) < t.k and not stop:
+                conf = float(dist.q_signal[0]) if s.params.greedy else float(dist.q_signal[dist.ids == x].sum())
+                prop.conf.append(conf)
+                if stop is not None and t.p_next is not None:
+                    reach[t.slot] *= stop.accept_prob(conf, t.accept_model)
+                stop_here = should_stop(entropy_confidence(dist.entropy), t.min_confidence)  # AdaEDL's early stop
+                if len(prop.tokens) < t.k and not stop_here:
                     next_batch.append(t)
-            live = next_batch
+            drafted += len(live)
+            level += 1
+            live = self._cost_aware_cut(next_batch, out, reach, stop, drafted, level)
             batch = [(t.slot, [out[t.slot].tokens[-1]]) for t in live]
         return [out[t.slot] for t in tasks]
+
+    @staticmethod
+    def _cost_aware_cut(live: list[DraftTask], out: dict[int, Proposal], reach: dict[int, float],
+                        stop: DraftStop | None, drafted: int, level: int) -> list[DraftTask]:
+        """The rows of `live` that draft the next level: the DraftStop decides for the rows it governs."""
+        ruled = [t for t in live if t.p_next is not None]
+        if stop is None or not ruled:
+            return live
+        go = stop.next_level([reach[t.slot] for t in ruled], [t.p_next for t in ruled],
+                             [t.k - len(out[t.slot].tokens) for t in ruled], drafted, level)
+        keep = {t.slot for t, g in zip(ruled, go, strict=True) if g}
+        return [t for t in live if t.p_next is None or t.slot in keep]
 
 
 class TargetWorker(_Worker):

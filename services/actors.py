@@ -18,6 +18,7 @@ from dsde_core.config import DTYPES, EngineConfig, SamplingParams
 from dsde_core.llm import eos_token_ids
 from dsde_core.models.loader import LoadedModel, load_model
 from dsde_core.models.runner import ModelRunner
+from dsde_core.policies.stopping import DraftStop
 from dsde_core.workers import DraftTask, DraftWorker, Proposal, TargetWorker, Verdict, VerifyTask
 from services import transport
 
@@ -75,8 +76,8 @@ class DraftHost(_ModelHost):
     def release(self, slot: int) -> None:
         self.worker.release(slot)
 
-    def propose(self, tasks: list[DraftTask]) -> list[Proposal]:
-        return [_on_device(p, "cpu") for p in self.worker.propose(tasks)]  # what crosses is on the CPU
+    def propose(self, tasks: list[DraftTask], stop: DraftStop | None = None) -> list[Proposal]:
+        return [_on_device(p, "cpu") for p in self.worker.propose(tasks, stop)]  # what crosses is on the CPU
 
     def num_open(self) -> int:
         return self.worker.num_open()

@@ -26,6 +26,7 @@ from dsde_core.config import SamplingParams
 from dsde_core.cost import StepCosts
 from dsde_core.errors import DSDEError, WorkerUnavailable
 from dsde_core.policies import Plan, SeqInfo, SpeculationPolicy, StepFeedback
+from dsde_core.policies.stopping import DraftStop
 from dsde_core.workers import DraftTask, Proposal, Verdict, VerifyTask
 
 log = logging.getLogger(__name__)
@@ -88,8 +89,8 @@ class DraftProxy(_ActorCalls):
     def release(self, slot: int) -> None:
         self._get(self.actor.release.remote(slot))
 
-    def propose(self, tasks: list[DraftTask]) -> list[Proposal]:
-        return self._get(self.actor.propose.remote(tasks))
+    def propose(self, tasks: list[DraftTask], stop: DraftStop | None = None) -> list[Proposal]:
+        return self._get(self.actor.propose.remote(tasks, stop))
 
     def num_open(self) -> int:
         return self._get(self.actor.num_open.remote())

@@ -52,10 +52,12 @@ def test_trace_is_the_targets_greedy_output(backend, trace: Trace) -> None:
     engine.run()
     for s, r in zip(trace.seqs, reqs, strict=True):
         assert r.output_ids == s.tokens[: s.output_len]  # the engine's greedy output is the trace's path
-        assert len(s.tokens) == TOKENS and len(s.draft) == len(s.kld) == len(s.entropy) == TOKENS
+        assert len(s.tokens) == TOKENS and len(s.draft) == len(s.kld) == len(s.entropy) == len(s.top1) == TOKENS
         assert s.prompt == r.prompt_ids
         for i in range(TOKENS):
-            assert len(s.draft[i]) == min(HORIZON, TOKENS - 1 - i) == len(s.kld[i]) == len(s.entropy[i])
+            assert len(s.draft[i]) == min(HORIZON, TOKENS - 1 - i) == len(s.kld[i]) == len(s.entropy[i]) \
+                == len(s.top1[i])
+            assert all(0 < c <= 1 for c in s.top1[i])
             assert all(v >= -1e-6 for v in s.kld[i])
 
 
@@ -116,7 +118,7 @@ def _toy_trace(eos_at: int | None = None) -> Trace:
     toks = list(range(10))
     draft = [[toks[i + j] if j < 2 and i + j < 10 else 99 for j in range(min(4, 9 - i))] for i in range(10)]
     s = SeqTrace("s", 3, toks, eos_at, draft, [[0.1] * len(d) for d in draft], [[1.0] * len(d) for d in draft],
-                 [1, 2, 3])
+                 top1=[[0.9] * len(d) for d in draft], prompt=[1, 2, 3])
     return Trace("toy", 10, 4, 64, {}, [s])
 
 

@@ -1,9 +1,12 @@
-"""dsde-goodput and the online step-cost model: the optimiser against brute force, the policy's switching on
-scripted feedback, the cost fit on synthetic timings, and the draft cache staying fresh while speculation is off."""
+"""dsde-goodput, its stop rule and the online step-cost model: the rule against brute force and on the shapes that
+matter (a verify cost that jumps, padded verification), the acceptance model and the policy on scripted feedback,
+the cost tables on synthetic timings, the draft worker obeying the rule, and the draft cache staying fresh while
+speculation is off."""
 
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -12,116 +15,170 @@ from dsde_core.config import SamplingParams
 from dsde_core.cost import OnlineCostModel, StepCosts
 from dsde_core.errors import ConfigError
 from dsde_core.policies import GoodputConfig, GoodputPolicy, Plan, SeqInfo, SpeculationPolicy, StepFeedback, make_policy
-from dsde_core.policies.goodput import best_plan, expected_tokens
+from dsde_core.policies.goodput import AcceptanceModel
+from dsde_core.policies.stopping import DraftStop, logit, sigmoid
 from dsde_core.workers import DraftTask, DraftWorker
 from tests.tiny import random_prompts, tiny_engine
 
-CPU = StepCosts(verify_s=0.08, verify_per_token_s=0.004, draft_fwd_s=0.02, draft_per_token_s=0.001)
+
+def _costs(batch: int = 1, verify=lambda n: 0.14 + 0.0005 * n, draft=lambda n: 0.04 + 0.005 * (n - 1),
+           n: int = 400, padded: bool = False) -> StepCosts:
+    return StepCosts(batch, tuple(verify(i) for i in range(1, n + 1)), tuple(draft(i) for i in range(1, n + 1)),
+                     padded)
 
 
-def test_expected_tokens_is_the_geometric_sum() -> None:
-    e = expected_tokens(np.array([0.5, 0.0, 0.9]), 3)
-    assert e[0].tolist() == pytest.approx([1, 1.5, 1.75, 1.875])
-    assert e[1].tolist() == pytest.approx([1, 1, 1, 1])
-    assert e[2, 3] == pytest.approx(1 + 0.9 + 0.81 + 0.729)
-
-
-def _goodput(values: np.ndarray, ks: tuple[int, ...], costs: StepCosts) -> float:
-    return sum(values[i, k] for i, k in enumerate(ks)) / costs.step_s(ks)
+def _brute(stop: DraftStop, reach, pbar, room, drafted, lam) -> float:
+    """max over (n, h) of the top-n rows' gain over h levels - lam * seconds, by explicit loops."""
+    order = sorted(range(len(reach)), key=lambda i: -reach[i] * pbar[i])
+    best = -math.inf
+    for n in range(1, len(reach) + 1):
+        rows = order[:n]
+        for h in range(1, max(room[i] for i in rows) + 1):
+            gain = sum(reach[i] * sum(pbar[i] ** m for m in range(1, min(h, room[i]) + 1)) for i in rows)
+            draft = sum(stop.costs.draft(sum(room[i] >= lv for i in rows)) for lv in range(1, h + 1))
+            t0 = stop.verify_base + drafted
+            verify = stop.costs.verify(t0 + sum(min(h, room[i]) for i in rows)) - stop.costs.verify(t0)
+            best = max(best, gain - lam * (draft + verify))
+    return best
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_best_plan_finds_the_brute_force_optimum(seed: int) -> None:
+def test_stop_rule_finds_the_brute_force_optimum(seed: int) -> None:
     rng = np.random.default_rng(seed)
-    b, kmax = 3, 6
-    alpha = rng.uniform(0.05, 0.97, b)
-    max_k = rng.integers(0, kmax + 1, b)
-    costs = StepCosts(verify_s=rng.uniform(0.05, 0.2), verify_per_token_s=rng.uniform(0, 0.01),
-                      draft_fwd_s=rng.uniform(0.002, 0.08), draft_per_token_s=rng.uniform(0, 0.003))
-    values = expected_tokens(alpha, kmax)
-    ks = best_plan(values, max_k, costs, np.zeros(b))
-    best = max(_goodput(values, c, costs)
-               for c in itertools.product(*(range(m + 1) for m in max_k.tolist())))
-    assert _goodput(values, tuple(ks.tolist()), costs) == pytest.approx(best, rel=1e-9)
-    assert all(0 <= k <= m for k, m in zip(ks.tolist(), max_k.tolist(), strict=True))
+    b = int(rng.integers(1, 6))
+    jump = int(rng.integers(2, 12))
+    costs = _costs(b, verify=lambda n: 0.1 + 0.001 * n + 0.05 * (n > jump))
+    stop = DraftStop(costs, b, float(rng.uniform(5, 60)))
+    reach, pbar = rng.uniform(0.05, 1, b).tolist(), rng.uniform(0.3, 0.99, b).tolist()
+    room, drafted = rng.integers(1, 7, b).tolist(), int(rng.integers(0, 4))
+    n, net, gain, seconds = stop.best(reach, pbar, room, drafted, stop.goodput)
+    assert net == pytest.approx(_brute(stop, reach, pbar, room, drafted, stop.goodput), abs=1e-12)
+    assert net == pytest.approx(gain - stop.goodput * seconds)
+    go = stop.next_level(reach, pbar, room, drafted)
+    assert sum(go) == (n if net > 0 else 0)
+    if net > 0:  # the rows that go on are the best ones by reach * pbar
+        kept = [reach[i] * pbar[i] for i in range(b) if go[i]]
+        dropped = [reach[i] * pbar[i] for i in range(b) if not go[i]]
+        assert min(kept) >= max(dropped, default=0.0)
 
 
-def test_best_plan_switches_off_when_drafting_does_not_pay() -> None:
-    values = expected_tokens(np.array([0.1, 0.15]), 8)
-    assert best_plan(values, np.array([8, 8]), CPU, np.zeros(2)).tolist() == [0, 0]
-    # the same acceptance pays when a draft forward is nearly free (a GPU-like 1B/70B pair)
-    gpu = StepCosts(verify_s=0.03, verify_per_token_s=0.0, draft_fwd_s=0.0006, draft_per_token_s=0.0)
-    assert all(k > 0 for k in best_plan(values, np.array([8, 8]), gpu, np.zeros(2)).tolist())
+def test_stop_rule_drafts_while_confident_and_stops_after_doubt() -> None:
+    stop = DraftStop(_costs(), 1, 12.0)
+    model = (0.0, 1.0)  # p = confidence
+    reach, drafted = 1.0, 0
+    for c in (0.99, 0.98, 0.99, 0.97):
+        reach *= stop.accept_prob(c, model)
+        drafted += 1
+        assert stop.next_level([reach], [0.95], [10], drafted) == [True]
+    reach *= stop.accept_prob(0.2, model)  # the draft is unsure of this token: the next ones are not worth it
+    assert stop.next_level([reach], [0.95], [10], drafted + 1) == [False]
 
 
-def test_one_long_k_is_taken_only_when_the_batch_gains() -> None:
-    """The cap as a consequence: a confident sequence does not drag 7 unsure ones into long draft loops."""
-    alpha = np.array([0.97] + [0.3] * 7)
-    ks = best_plan(expected_tokens(alpha, 20), np.full(8, 20), CPU, np.zeros(8)).tolist()
-    alone = best_plan(expected_tokens(alpha[:1], 20), np.array([20]), CPU, np.zeros(1)).tolist()
-    assert ks[0] < alone[0]  # the batch shortens the confident sequence's k
-    assert max(ks[1:]) <= ks[0]
+def test_stop_rule_looks_past_a_jump_in_the_verify_cost() -> None:
+    """A CPU GEMM's cost steps up at 17 query tokens: one token across the step does not pay for it, a long confident
+    run beyond it does (lookahead h > 1); a run that soon ends is cut at the step."""
+    stop = DraftStop(_costs(verify=lambda n: 0.14 + 0.05 * (n > 16), draft=lambda n: 0.02), 1, 15.0)
+    assert stop.next_level([0.98], [0.995], [20], drafted=15) == [True]  # 16 verified; 20 more good tokens ahead
+    assert stop.next_level([0.98], [0.995], [1], drafted=15) == [False]  # only one more token may be drafted
+    assert stop.next_level([0.98], [0.6], [20], drafted=15) == [False]  # a short expected run: not worth the jump
+    assert stop.next_level([0.98], [0.6], [20], drafted=10) == [True]  # well before the step it goes on
 
 
-def _feed(policy: SpeculationPolicy, req: str, plan: Plan, accept_rate: float, kld: float = 0.1) -> StepFeedback:
-    k = plan.k
-    acc = min(k, int(round(accept_rate * k)))
-    fb = StepFeedback(req, k, k, acc, (kld,) * k)
-    policy.observe([fb])
-    return fb
+def test_padded_verification_moves_the_whole_batch() -> None:
+    """vLLM-style padding: every sequence is verified to the longest draft, so rows never stop alone."""
+    stop = DraftStop(_costs(batch=4, verify=lambda n: 0.03, draft=lambda n: 0.0015, padded=True), 4, 400.0)
+    assert stop.next_level([0.9, 0.8, 0.1, 0.05], [0.9] * 4, [5] * 4, drafted=8, level=2) == [True] * 4
+    assert stop.next_level([0.05] * 4, [0.5] * 4, [5] * 4, drafted=8, level=2) == [False] * 4
 
 
-def test_policy_turns_off_under_rejection_probes_and_comes_back() -> None:
+def test_step_goodput_is_the_best_ratio_the_model_sees() -> None:
+    costs = _costs()
+    stop = DraftStop(costs, 1, 7.0)
+    lam = stop.step_goodput([1.0], [0.95], [20], rows=1)
+    # the best blind run: (1 + sum_{m<=h} 0.95^m) / (V(1 + h) + h D) over h, found by Dinkelbach
+    exact = max((1 + sum(0.95 ** m for m in range(1, h + 1))) / (costs.verify(1 + h) + sum(costs.draft(1)
+                for _ in range(h))) for h in range(1, 21))
+    assert lam == pytest.approx(exact, rel=1e-6)
+    assert stop.step_goodput([1.0], [0.05], [20], rows=1) == 7.0  # nothing pays: no change
+
+
+def test_acceptance_model_learns_the_calibration() -> None:
+    rng = np.random.default_rng(0)
+    true_a, true_s, true_u = -1.0, 2.0, -0.8
+    model = AcceptanceModel((0.7, 0.9, 0.0), 1.0, 1.0)
+    for _ in range(4000):
+        c, x = float(rng.uniform(0.05, 0.999)), float(rng.uniform(0, 2))
+        model.update(c, x, bool(rng.random() < sigmoid(true_a + true_s * logit(c) + true_u * x)))
+    assert model.w == pytest.approx([true_a, true_s, true_u], abs=0.25)
+    a, s = model.row_model(1.0)
+    assert a == pytest.approx(model.w[0] + model.w[2]) and s == model.w[1]
+
+
+def _feed(policy: GoodputPolicy, plans: list[Plan], seqs: list[SeqInfo], accept, conf: float = 0.9) -> None:
+    fbs = []
+    for seq, plan in zip(seqs, plans, strict=True):
+        k = plan.k
+        acc = accept(k) if k else 0
+        fbs.append(StepFeedback(seq.req_id, k, k, acc, (0.1,) * k, (), (conf,) * k))
+    policy.observe(fbs)
+
+
+CPU = _costs()
+
+
+def test_policy_switches_off_probes_on_a_shared_schedule_and_comes_back() -> None:
     cfg = GoodputConfig(probe_every=4, probe_max=16)
     pol = GoodputPolicy(cfg)
-    seq = [SeqInfo("r", 0.0, 10)]
+    seqs = [SeqInfo("r", 0.0, 10)]
     ks = []
-    for _ in range(40):  # nothing is ever accepted
-        [p] = pol.plan(seq, CPU)
-        ks.append(p.k)
-        _feed(pol, "r", p, 0.0)
+    for _ in range(60):  # nothing is ever accepted, though the draft is confident
+        plans = pol.plan(seqs, CPU)
+        ks.append(plans[0].k)
+        _feed(pol, plans, seqs, lambda k: 0, conf=0.2)
     assert ks[0] > 0  # the prior starts speculation
-    off_steps = [i for i, k in enumerate(ks) if k == 0]
-    assert len(off_steps) >= 30  # then it switches off
-    probes = [i for i in range(off_steps[0], 40) if ks[i] > 0]
-    assert probes and all(ks[i] == cfg.probe_k for i in probes)  # re-probed now and then
+    off = [i for i, k in enumerate(ks) if k == 0]
+    assert len(off) >= 50  # then it switches off
+    probes = [i for i in range(off[0], 60) if ks[i] > 0]
+    assert probes and all((i + 1) % cfg.probe_every == 0 for i in probes)  # on plan numbers divisible by 4
     gaps = np.diff(probes).tolist()
-    assert gaps == sorted(gaps) and gaps[-1] <= cfg.probe_max  # with a growing interval
+    assert gaps == sorted(gaps) and gaps[-1] <= cfg.probe_max  # a growing interval
     for _ in range(40):  # now everything is accepted: a probe sees it and speculation comes back
-        [p] = pol.plan(seq, CPU)
-        _feed(pol, "r", p, 1.0, kld=0.01)
-    assert pol.plan(seq, CPU)[0].k >= 4
+        plans = pol.plan(seqs, CPU)
+        _feed(pol, plans, seqs, lambda k: k, conf=0.99)
+    plans = pol.plan(seqs, CPU)
+    assert plans[0].k == 10 and plans[0].stop is not None and plans[0].p_next > 0.9
     assert pol.stats("r")["on"] == 1.0
 
 
-def test_hysteresis_keeps_a_borderline_sequence_from_flapping() -> None:
-    """Acceptance hovering at break-even: the margin keeps switching rare."""
-    pol = GoodputPolicy(GoodputConfig(margin=0.2, probe_every=64, probe_max=64))
-    seq = [SeqInfo("r", 0.0, 6)]
-    rng = np.random.default_rng(0)
-    states = []
-    for _ in range(200):
-        [p] = pol.plan(seq, CPU)
-        states.append(p.k > 0)
-        if p.k:
-            acc = int(sum(rng.random() < 0.3 for _ in range(p.k)))
-            pol.observe([StepFeedback("r", p.k, p.k, acc, (0.2,) * p.k)])
-    assert sum(a != b for a, b in itertools.pairwise(states)) <= 8
-
-
-def test_instability_lowers_the_expected_acceptance() -> None:
+def test_plans_carry_the_batch_rule_and_each_rows_model() -> None:
     pol = GoodputPolicy()
-    seq = [SeqInfo("calm", 0.0, 8), SeqInfo("rising", 0.0, 8)]
-    for step in range(12):
-        plans = pol.plan(seq, CPU)
-        for s, p in zip(seq, plans, strict=True):
-            k = max(p.k, 1)
-            kld = 0.05 + 0.01 * (step % 3)  # calm: small and steady
-            if s.req_id == "rising" and step >= 9:
-                kld = 2.0 + step  # the KLD jumps at the end
-            pol.observe([StepFeedback(s.req_id, k, k, k - 1, (kld,) * k)])
+    seqs = [SeqInfo("a", 0.0, 6), SeqInfo("b", 1.0, 6, pending=40), SeqInfo("c", 0.0, 0)]
+    plans = pol.plan(seqs, _costs(batch=3, draft=lambda n: 0.005))  # a cheap draft: both rows draft
+    assert plans[2] == Plan(0)  # no room: nothing to draft
+    assert plans[0].stop is plans[1].stop and plans[0].stop.verify_base == 1 + 40 + 1
+    assert all(p.k == 6 and p.accept_model == (0.7, 0.9) for p in plans[:2])  # the prior, both models
+    pol.observe([StepFeedback("b", 6, 3, 0, (0.1,) * 3, (), (0.3,) * 3)])
+    assert pol._models[False].judged == 1 and pol._models[True].judged == 0  # sampled and greedy learn apart
+
+
+def test_instability_enters_the_acceptance_model() -> None:
+    """A sequence whose KLD history is rising (DSDE's WVIR * SF > 1) and is then rejected teaches w2 < 0."""
+    pol = GoodputPolicy()
+    seqs = [SeqInfo("calm", 0.0, 8), SeqInfo("rising", 0.0, 8)]
+    for step in range(40):
+        plans = pol.plan(seqs, CPU)
+        fbs = []
+        for s, p in zip(seqs, plans, strict=True):
+            k = max(p.k, 4)
+            kld = 0.05 + 0.01 * (step % 3) if s.req_id == "calm" or step < 12 else 1.0 + step % 5
+            acc = k if s.req_id == "calm" or step < 12 else 0
+            fbs.append(StepFeedback(s.req_id, k, k, acc, (kld,) * k, (), (0.9,) * k))
+        pol.observe(fbs)
     assert pol.stats("rising")["instability"] > 1.0 > pol.stats("calm")["instability"]
-    assert pol.alpha("rising") < pol.alpha("calm")
+    assert pol.stats("rising")["w_instability"] < 0
+    a_rising, _ = pol._models[True].row_model(pol._states["rising"].x)
+    a_calm, _ = pol._models[True].row_model(pol._states["calm"].x)
+    assert a_rising < a_calm
 
 
 def test_policy_contract_and_config_errors() -> None:
@@ -134,41 +191,68 @@ def test_policy_contract_and_config_errors() -> None:
     pol.release("a")
     pol.release("b")
     assert pol.num_tracked() == 0
-    with pytest.raises(ConfigError, match="probe_k"):
-        GoodputConfig(probe_k=0)
-    with pytest.raises(ConfigError, match="prior_alpha"):
-        GoodputConfig(prior_alpha=1.0)
+    with pytest.raises(ConfigError, match="probe_every"):
+        GoodputConfig(probe_every=0)
+    with pytest.raises(ConfigError, match="prior_pbar"):
+        GoodputConfig(prior_pbar=1.0)
+    with pytest.raises(ValueError, match="p_next"):
+        Plan(3, p_next=1.5)
 
 
-def test_online_cost_model_recovers_the_step_costs() -> None:
-    rng = np.random.default_rng(1)
+def test_online_cost_model_learns_a_verify_cost_that_jumps() -> None:
+    """Target forwards flat to 16 query tokens, then 45 ms dearer: the table holds the jump, never decreases, and
+    prices an n it has not seen from the nearest n seen below it."""
     model = OnlineCostModel()
-    true_v0, true_v1, true_c, true_d0, true_d1 = 0.150, 0.010, 0.006, 0.045, 0.002
+    v = {n: 0.14 + 0.045 * (n > 16) for n in range(1, 40)}
+    rng = np.random.default_rng(1)
     for _ in range(300):
-        b = int(rng.integers(1, 9))
-        ks = rng.integers(0, 7, b).tolist()
-        verify = true_v0 + true_v1 * b + true_c * sum(ks)
-        draft = true_d0 * max(ks) + true_d1 * sum(ks)
-        model.observe(ks, draft * rng.uniform(0.98, 1.02), verify * rng.uniform(0.98, 1.02))
-    est = model.estimate(4)
-    assert est.verify_s == pytest.approx(true_v0 + 4 * true_v1, rel=0.05)
-    assert est.verify_per_token_s == pytest.approx(true_c, rel=0.15)
-    assert est.draft_fwd_s == pytest.approx(true_d0, rel=0.1)
-    assert est.step_s([3, 0, 5, 1]) == pytest.approx(true_v0 + 4 * true_v1 + (true_c + true_d1) * 9 + true_d0 * 5,
-                                                     rel=0.05)
+        n = int(rng.choice([1, 2, 4, 8, 16, 17, 20, 32]))
+        model.observe(n, v[n] * rng.uniform(0.99, 1.01), 0, 0, 0.0)
+    est = model.estimate(1, 40)
+    assert est.verify(16) == pytest.approx(0.14, rel=0.02) and est.verify(17) == pytest.approx(0.185, rel=0.02)
+    assert all(b >= a for a, b in itertools.pairwise(est.verify_table))
+    assert est.verify(12) == pytest.approx(0.14, rel=0.02)  # between the 8 and the 16 seen
+    assert est.verify(18) < 0.185 and est.verify(40) > est.verify(32)  # optimistic past the jump; prior slope
+
+
+def test_online_cost_model_recovers_the_draft_forward() -> None:
+    rng = np.random.default_rng(2)
+    model = OnlineCostModel()
+    d0, d1, v = 0.04, 0.005, 0.15
+    for _ in range(200):
+        rows = [int(r) for r in rng.integers(1, 9, int(rng.integers(1, 9)))]  # rows drafting at each level
+        model.observe(4 + sum(rows), v, len(rows), sum(rows), sum(d0 + d1 * r for r in rows))
+    assert model.estimate(4).draft(3) == pytest.approx(d0 + 3 * d1, rel=0.05)
+
+
+def test_policy_tracks_its_own_speedup_per_batch_size() -> None:
+    """lambda_B = rho_B * B / V(B): rho starts strict (2) and follows the speedup the policy's steps reach, priced by
+    the tables; a batch size not seen yet borrows the nearest one's."""
+    pol = GoodputPolicy()
+    costs = _costs(batch=2)
+    seqs = [SeqInfo("a", 0.0, 8), SeqInfo("b", 0.0, 8)]
+    assert pol._speedup.get(2) == 2.0
+    for _ in range(80):
+        pol.plan(seqs, costs)  # every step: 3 drafted, 2 accepted by each sequence
+        pol.observe([StepFeedback(s.req_id, 8, 3, 2, (0.1,) * 3, (), (0.9,) * 3) for s in seqs])
+    want = (6 / costs.step_s([3, 3])) / (2 / costs.verify(2))
+    assert pol._speedup.get(2) == pytest.approx(want, rel=1e-3)
+    assert pol._speedup.get(3) == pol._speedup.get(2)
+    plans = pol.plan(seqs, costs)
+    assert plans[0].stop.goodput >= want * 2 / costs.verify(2) * (1 - 1e-9)
 
 
 def test_online_cost_model_leaves_its_prior_within_tens_of_steps() -> None:
-    """The prior is worth CostPrior.weight (4) observations, not hundreds: 40 batch-1 steps on hardware twice as
-    slow as the prior already give the costs within 10%."""
+    """The draft prior is worth CostPrior.weight (4) observations, not hundreds: 40 batch-1 steps on hardware twice
+    as slow as the prior already give the costs within 10%."""
     model = OnlineCostModel()
-    v, d = 0.16, 0.04  # the prior: 0.084 and 0.021
+    v, d = 0.16, 0.04  # the prior: ~0.08 and ~0.022
     for i in range(40):
         k = i % 7
-        model.observe([k], d * k, v)
+        model.observe(1 + k, v, k, k, d * k)
     est = model.estimate(1)
-    assert est.verify_s == pytest.approx(v, rel=0.1)
-    assert est.draft_fwd_s + est.draft_per_token_s == pytest.approx(d, rel=0.1)
+    assert est.verify(3) == pytest.approx(v, rel=0.1)
+    assert est.draft(1) == pytest.approx(d, rel=0.1)
 
 
 def test_engine_feeds_its_cost_model_from_decode_steps() -> None:
@@ -178,7 +262,31 @@ def test_engine_feeds_its_cost_model_from_decode_steps() -> None:
     engine.run()
     decode_steps = sum(1 for r in engine.step_log if not r.prefill)
     assert engine.costs.observed == decode_steps > 0
-    assert engine.costs.estimate(2).verify_s > 0
+    assert engine.costs.estimate(2).verify(2) > 0
+
+
+def test_draft_worker_obeys_the_stop_rule() -> None:
+    """The same two rows: a goodput too high for any draft token to pay ends both after one token; a tiny one lets
+    both draft to their k; rows without p_next are not governed by the rule."""
+    engine = tiny_engine("off", batch=3)
+    draft: DraftWorker = engine.draft
+    prompts = random_prompts(3, seed=4)
+    for slot in range(3):
+        draft.open(slot, SamplingParams())
+
+    def propose(goodput: float) -> list[int]:
+        for slot in range(3):
+            draft.release(slot)
+            draft.open(slot, SamplingParams())
+        stop = DraftStop(_costs(batch=3), 3, goodput)
+        tasks = [DraftTask(0, prompts[0], 6, None, 0.9, (0.0, 1.0)), DraftTask(1, prompts[1], 6, None, 0.9, (0.0, 1.0)),
+                 DraftTask(2, prompts[2], 4)]
+        props = draft.propose(tasks, stop)
+        assert all(len(p.conf) == len(p.tokens) and all(0 < c <= 1 for c in p.conf) for p in props)
+        return [len(p.tokens) for p in props]
+
+    assert propose(1e6) == [1, 1, 4]
+    assert propose(1e-6) == [6, 6, 4]
 
 
 class _Toggle(SpeculationPolicy):
@@ -249,8 +357,9 @@ class _PerRequestOff(SpeculationPolicy):
 
 
 def test_lone_sequence_catches_up_after_max_lag() -> None:
-    """No sequence drafts: the draft cache catches up once it lags draft_max_lag tokens (bounded staleness)."""
-    engine = tiny_engine(_Toggle(range(1, 1000)), batch=1, draft_max_lag=8)
+    """A sequence that drafted once and then stops: its draft cache catches up once it lags draft_max_lag tokens
+    (bounded staleness)."""
+    engine = tiny_engine(_Toggle(range(2, 1000)), batch=1, draft_max_lag=8)
     r = engine.add_request(random_prompts(1, seed=2)[0], SamplingParams(max_tokens=30))
     lags = []
     for _ in range(25):
@@ -258,3 +367,16 @@ def test_lone_sequence_catches_up_after_max_lag() -> None:
         if r.slot is not None:
             lags.append(r.num_tokens - len(engine.draft.slots[r.slot].cached))
     assert max(lags) <= 8 + 1 and min(lags) <= 2
+
+
+def test_a_sequence_that_never_drafts_never_feeds_the_draft() -> None:
+    """Target-only decoding through an engine with a draft: the prompt is a prefill, deferred until the sequence
+    drafts, so a request that never speculates costs the draft nothing."""
+    engine = tiny_engine("off", batch=2, draft_max_lag=4)
+    calls = []
+    propose = engine.draft.propose
+    engine.draft.propose = lambda tasks, *a: calls.append(tasks) or propose(tasks, *a)
+    for p in random_prompts(2, seed=3, min_len=20):
+        engine.add_request(p, SamplingParams(max_tokens=20))
+    engine.run()
+    assert calls == [] and engine.costs.observed > 0

@@ -191,7 +191,7 @@ def test_the_step_cost_model_stays_finite_under_a_steady_load() -> None:
 
     model = OnlineCostModel()
     for _ in range(20_000):
-        model.observe([3], 0.01, 0.05)
+        model.observe(4, 0.05, 3, 3, 0.01)
     est = model.estimate(1)
     assert all(math.isfinite(v) for v in (est.verify_s, est.verify_per_token_s, est.draft_fwd_s,
                                           est.draft_per_token_s))

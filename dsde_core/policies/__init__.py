@@ -9,7 +9,7 @@
     dsde-paper-nocap[:MAX] the paper's variant without the cap
                            MAX: DSDE's upper bound on SL_max (and on the warm-up's doubling), default 20; where a
                            draft token costs a large share of a target step (a CPU), a lower bound pays (BENCHMARKS.md)
-    dsde-goodput           cost-aware DSDE: k (0 included) maximising the batch's tokens per second (goodput.py)
+    dsde-goodput           cost-aware DSDE: a token drafted while it earns more than its time (goodput.py, stopping.py)
     adaedl                 entropy-based early stopping with an adaptive threshold
     heuristic              transformers' +2 / -1 schedule
     acceptance[:T]         acceptance-rate threshold T (default 0.7)

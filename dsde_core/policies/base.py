@@ -21,6 +21,7 @@ from typing import Generic, TypeVar
 
 from dsde_core.cost import StepCosts
 from dsde_core.errors import ConfigError
+from dsde_core.policies.stopping import DraftStop
 
 
 @dataclass(frozen=True)
@@ -31,10 +32,14 @@ class SeqInfo:
     temperature: float
     max_k: int
     """Hard ceiling from the engine (remaining tokens, cache room, per-request max); the plan's k <= max_k."""
+    pending: int = 1
+    """Tokens the target is fed for this sequence this step besides the drafts (1 when decoding; a prompt)."""
 
     def __post_init__(self) -> None:
         if self.max_k < 0:
             raise ConfigError(f"SeqInfo {self.req_id!r}: max_k must be >= 0, got {self.max_k}")
+        if self.pending < 1:
+            raise ConfigError(f"SeqInfo {self.req_id!r}: pending must be >= 1, got {self.pending}")
         if not self.temperature >= 0:
             raise ConfigError(f"SeqInfo {self.req_id!r}: temperature must be >= 0, got {self.temperature}")
 
@@ -47,12 +52,21 @@ class Plan:
     """Number of draft tokens to propose (0 = a target-only step)."""
     min_confidence: float | None = None
     """AdaEDL: the draft stops after token t when 1 - sqrt(0.1 * H(q_t)) < min_confidence. None: never."""
+    p_next: float | None = None
+    """The cost-aware stop rule (stopping.py) applies to this row: the expected acceptance of a token not drafted
+    yet. None: the row drafts k tokens (or stops by min_confidence)."""
+    accept_model: tuple[float, float] = (0.0, 1.0)
+    """This row's acceptance model in the stop rule: p = sigmoid(a + s * logit(confidence)), (a, s)."""
+    stop: DraftStop | None = None
+    """The batch's stop rule; the same object in every plan of a step (None when no row uses it)."""
 
     def __post_init__(self) -> None:
         if self.k < 0:
             raise ValueError(f"Plan.k must be >= 0, got {self.k}")
         if self.min_confidence is not None and not 0.0 <= self.min_confidence <= 1.0:
             raise ValueError(f"Plan.min_confidence must be in [0, 1] or None, got {self.min_confidence}")
+        if self.p_next is not None and not 0.0 <= self.p_next <= 1.0:
+            raise ValueError(f"Plan.p_next must be in [0, 1] or None, got {self.p_next}")
 
 
 @dataclass(frozen=True)
@@ -70,10 +84,14 @@ class StepFeedback:
     """Per proposed position (len == proposed): sparse KLD at the signal temperature."""
     draft_entropy: tuple[float, ...] = ()
     """Per proposed position (len == proposed, or empty when not computed): the draft's entropy in nats."""
+    draft_conf: tuple[float, ...] = ()
+    """Per proposed position (len == proposed, or empty): the draft's probability of the token it proposed, at the
+    signal temperature (the stop rule's confidence)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kld", tuple(float(v) for v in self.kld))
         object.__setattr__(self, "draft_entropy", tuple(float(v) for v in self.draft_entropy))
+        object.__setattr__(self, "draft_conf", tuple(float(v) for v in self.draft_conf))
         if not 0 <= self.accepted <= self.proposed <= self.planned:
             raise ValueError(
                 f"StepFeedback {self.req_id!r}: need 0 <= accepted <= proposed <= planned, "
@@ -84,11 +102,11 @@ class StepFeedback:
                 f"StepFeedback {self.req_id!r}: one KLD per proposed position expected, "
                 f"got {len(self.kld)} for proposed={self.proposed}"
             )
-        if self.draft_entropy and len(self.draft_entropy) != self.proposed:
-            raise ValueError(
-                f"StepFeedback {self.req_id!r}: draft_entropy has {len(self.draft_entropy)} values "
-                f"for proposed={self.proposed}"
-            )
+        for name in ("draft_entropy", "draft_conf"):
+            values = getattr(self, name)
+            if values and len(values) != self.proposed:
+                raise ValueError(f"StepFeedback {self.req_id!r}: {name} has {len(values)} values "
+                                 f"for proposed={self.proposed}")
 
     @property
     def all_accepted(self) -> bool:
@@ -112,6 +130,8 @@ class SpeculationPolicy(ABC):
     name: str = "policy"
     cost_aware: bool = False
     """Whether plan() uses the step costs (a simulator then replays it once per cost profile)."""
+    pooled: bool = False
+    """Whether it learns across requests (estimates pooled over sequences): a benchmark may warm it up first."""
 
     @abstractmethod
     def plan(self, seqs: Sequence[SeqInfo], costs: StepCosts | None = None) -> list[Plan]:

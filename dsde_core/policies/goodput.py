@@ -1,128 +1,161 @@
-"""dsde-goodput: DSDE's stability signal turned into expected accepted tokens, and the k of every sequence (0
-included) chosen to maximise the batch's output tokens per second under the engine's measured step costs.
+"""dsde-goodput: cost-aware DSDE. A sequence drafts while its next token is worth more than the time it takes,
+judged token by token from the draft's confidence, and speculation switches off where it does not pay.
 
-Per sequence i, a per-token acceptance estimate from recent steps, discounted by DSDE's instability signal:
-    a_i <- rho * a_i + accepted,   b_i <- rho * b_i + [a draft token was rejected]        (each step that drafted)
-    alpha_hat_i = (a_i + a0) / (a_i + b_i + a0 + b0)                                 (a0 + b0 = prior weight)
-    alpha_i = alpha_hat_i * min(1, 1 / (WVIR_i * SF_i)) ** eta
-WVIR and SF are DSDE's (signals.wvir over the last N KLDs, signals.scale_factor of the last step's mean KLD;
-WVIR * SF counts as 0 before N/3 KLDs are known and for a flat history):
-WVIR * SF > 1 is DSDE's "KLD rising and large" (DSDE drops to SL_min there); here it lowers the acceptance
-expected from the next tokens instead. Under geometric acceptance the expected tokens one step emits with k
-draft tokens (the accepted ones plus the target's own correction or bonus token) are
-    E_i(k) = sum_{j=0..k} alpha_i^j = (1 - alpha_i^(k+1)) / (1 - alpha_i)
-and the step costs (dsde_core.cost.StepCosts, from the engine's online fit at this batch size B)
-    T(k) = V + (C_v + C_d) * sum_i k_i + D * max_i k_i.
-The plan maximises the batch goodput G(k) = sum_i E_i(k_i) / T(k) over k_i in [0, max_k_i] (Dinkelbach):
-    lambda <- G(0) = B / V;  repeat: k <- argmax_k sum_i E_i(k_i) - lambda * T(k);  lambda <- G(k)
-where the inner argmax is exact: for each K = max k, every sequence takes its best k_i <= K independently.
-k = 0 for all is always a candidate, so speculation switches off exactly where it does not pay, and no cap
-rule is needed: a long k raises D * max k for every sequence and is taken only when the batch gains from it.
-Hysteresis: a sequence that is off turns on only if that gains `margin` expected tokens beyond break-even
-(a sequence that is on turns off at break-even). Probing: a sequence off for `probe_every` plans proposes
-`probe_k` tokens so that its acceptance estimate stays fresh; the interval doubles up to `probe_max` while
-probes keep it off. Probes of the whole batch fall on the same steps (one plan counter), so they share draft
-forwards.
+Four estimates, all learnt online:
+1. Acceptance. Per drafted token (stopping.py), with c its confidence and x_i = log(1 + WVIR_i * SF_i) DSDE's
+   instability signal of the sequence (WVIR over its last N KLDs, SF of its last step's mean KLD; 0 until N/3 KLDs
+   are known and for a flat history):
+       p = sigmoid(w0 + w1 * logit(c) + w2 * x_i)
+   w is fitted to every judged token of every sequence (accepted: 1; the first rejected: 0; later ones are not
+   judged) by online Bayesian logistic regression (a Newton step per token, forgetting f per token):
+       P <- P / f;  P <- P - (P z)(P z)^T v / (1 + v z^T P z);  w <- w + P z (y - p),   v = p (1 - p)
+   one model for greedy and one for sampled requests.
+2. Per sequence: p_first_i, the running acceptance of the first drafted token of a step, and pbar_i, the running
+   mean p of its drafted tokens (a token not drafted yet). Running means: a plain mean over the sequence's first
+   steps (its start, the pooled means of all sequences, counts as one), then decay rho per step that drafted (a
+   probe counts for half: after a time off it is the freshest evidence there is).
+3. Costs: the engine's step-cost tables V and D (dsde_core.cost.StepCosts).
+4. Goodput: lambda_B = rho_B * B / V(B), with rho_B this policy's running speedup over target-only decoding at
+   batch B, each decode step priced by the tables it was planned with (no timing noise): a plain mean over its
+   first steps, where its start counts as one, then decay 1 - speedup_rate per step. rho starts at 2: a lambda
+   above the rate the batch reaches only makes the policy draft less (and the rate it then reaches pulls rho down
+   within a few steps), one below it drafts tokens that do not pay. A step is planned with the larger of lambda_B
+   and the best rate the model itself sees for the step (DraftStop.step_goodput: Dinkelbach).
+
+The plan, level 0 of the stop rule: with the first token's acceptance p_first_i and pbar_i for the tokens after it,
+the batch's DraftStop picks the sequences that draft a first token (and so the number that do: none, when no
+draft pays). They get k = their engine ceiling, p_next = pbar_i and their acceptance model; the draft worker applies
+the same rule after every level with the confidences it sees (the SL and its cap are consequences of the costs).
+A sequence not picked drafts nothing (its draft cache still advances with the committed tokens: the engine's
+ride-along), except a probe (one speculative step) when it has been off for `probe_every` plans, the interval
+doubling up to `probe_max` while probes keep it off; probes fall on plan numbers divisible by the interval (one
+counter for the batch), so they share draft forwards.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from dsde_core.cost import CostPrior, StepCosts
+from dsde_core.cost import OnlineCostModel, StepCosts
 from dsde_core.errors import ConfigError
-from dsde_core.policies.base import Plan, SeqInfo, SpeculationPolicy, StepFeedback, clamp_k
+from dsde_core.policies.base import Plan, SeqInfo, SpeculationPolicy, StepFeedback
+from dsde_core.policies.stopping import DraftStop, logit, sigmoid
 from dsde_core.signals import WVIR_FLAT_VARIANCE, scale_factor, wvir
-
-ALPHA_MAX = 0.995  # E(k) stays finite and k grows only as far as costs allow
 
 
 @dataclass(frozen=True)
 class GoodputConfig:
     max_sl: int = 20
-    prior_alpha: float = 0.7  # acceptance assumed before a request has drafted
-    prior_weight: float = 2.0  # worth this many observed draft positions
-    rho: float = 0.9  # per-step decay of the acceptance counts (memory ~ 10 steps)
-    eta: float = 0.25  # strength of the instability discount
-    window: int = 30  # DSDE's N: KLD history for WVIR
-    delta: float = 0.9  # WVIR's decay
-    margin: float = 0.05  # expected tokens per step a sequence must gain to switch speculation on
+    prior_weights: tuple[float, float, float] = (0.7, 0.9, 0.0)  # (w0, w1, w2) before any judged token
+    prior_variance: float = 1.0  # of each weight before any judged token
+    forgetting: float = 0.995  # per judged token: the acceptance model's memory is ~200 tokens
+    rho: float = 0.9  # per drafting step, of a sequence's p_first and pbar (memory ~10 steps)
+    pool_rate: float = 0.05  # per drafting step, of the pooled running means new sequences start from
+    prior_first: float = 0.7  # pooled p_first and pbar before any step
+    prior_pbar: float = 0.7
     probe_every: int = 8
     probe_max: int = 64
-    probe_k: int = 2
-    position_profile: bool = True  # per-position acceptance shape, learnt over all sequences
-    profile_decay: float = 0.995  # per step, of the position counts
+    window: int = 30  # DSDE's N: KLD history for WVIR
+    delta: float = 0.9  # WVIR's decay
+    speedup_rate: float = 0.2  # per decode step, of rho_B (memory ~5 steps)
+    speedup_start: float = 2.0  # rho before any step (see the module doc)
 
     def __post_init__(self) -> None:
         checks = [
             (1 <= self.max_sl <= 64, f"max_sl must be in [1, 64], got {self.max_sl}"),
-            (0.0 < self.prior_alpha < 1.0, f"prior_alpha must be in (0, 1), got {self.prior_alpha}"),
-            (self.prior_weight > 0, f"prior_weight must be > 0, got {self.prior_weight}"),
-            (0.0 < self.rho <= 1.0, f"rho must be in (0, 1], got {self.rho}"),
-            (self.eta >= 0, f"eta must be >= 0, got {self.eta}"),
+            (len(self.prior_weights) == 3 and all(math.isfinite(w) for w in self.prior_weights),
+             f"prior_weights must be 3 finite numbers, got {self.prior_weights}"),
+            (self.prior_variance > 0, f"prior_variance must be > 0, got {self.prior_variance}"),
+            (0.0 < self.forgetting <= 1.0, f"forgetting must be in (0, 1], got {self.forgetting}"),
+            (0.0 <= self.rho < 1.0, f"rho must be in [0, 1), got {self.rho}"),
+            (0.0 < self.pool_rate <= 1.0, f"pool_rate must be in (0, 1], got {self.pool_rate}"),
+            (0.0 < self.prior_pbar < 1.0, f"prior_pbar must be in (0, 1), got {self.prior_pbar}"),
+            (0.0 < self.prior_first < 1.0, f"prior_first must be in (0, 1), got {self.prior_first}"),
             (self.window >= 2, f"window must be >= 2, got {self.window}"),
             (0.0 < self.delta <= 1.0, f"delta must be in (0, 1], got {self.delta}"),
-            (self.margin >= 0, f"margin must be >= 0, got {self.margin}"),
             (1 <= self.probe_every <= self.probe_max, f"need 1 <= probe_every <= probe_max, got "
                                                       f"{self.probe_every}, {self.probe_max}"),
-            (1 <= self.probe_k <= self.max_sl, f"probe_k must be in [1, max_sl], got {self.probe_k}"),
+            (0.0 < self.speedup_rate <= 1.0, f"speedup_rate must be in (0, 1], got {self.speedup_rate}"),
+            (self.speedup_start > 0, f"speedup_start must be > 0, got {self.speedup_start}"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(f"dsde-goodput: {msg}")
 
 
+class AcceptanceModel:
+    """Online Bayesian logistic regression of acceptance on z = (1, logit(confidence), instability)."""
+
+    def __init__(self, prior: Sequence[float], variance: float, forgetting: float) -> None:
+        self.w = np.asarray(prior, dtype=np.float64)  # [3]
+        self.p = np.eye(3) * variance  # [3, 3] the weights' covariance
+        self.max_var = variance  # forgetting never makes the model less sure than its prior
+        self.forgetting = forgetting
+        self.judged = 0
+
+    def row_model(self, x: float) -> tuple[float, float]:
+        """(a, s) of one sequence: p = sigmoid(a + s * logit(c)), a = w0 + w2 * x."""
+        return float(self.w[0] + self.w[2] * x), float(self.w[1])
+
+    def update(self, confidence: float, x: float, accepted: bool) -> None:
+        z = np.array([1.0, logit(confidence), x])
+        p = sigmoid(float(self.w @ z))
+        v = max(p * (1.0 - p), 1e-6)
+        cov = self.p / self.forgetting
+        pz = cov @ z
+        cov = cov - np.outer(pz, pz) * (v / (1.0 + v * float(z @ pz)))
+        w = self.w + cov @ z * (float(accepted) - p)
+        if not (np.all(np.isfinite(w)) and np.all(np.isfinite(cov))):
+            return
+        if np.max(np.diag(cov)) > self.max_var:  # windup in directions the data never vary in (see cost._RLS)
+            ev, vec = np.linalg.eigh((cov + cov.T) / 2)
+            cov = (vec * np.minimum(ev, self.max_var)) @ vec.T
+        self.w, self.p = w, cov
+        self.judged += 1
+
+
+class SpeedupByBatch:
+    """rho_B: a running mean per batch size B (a plain mean over its first steps, where its start counts as one,
+    then rate `rate`); a B not seen yet starts from the nearest one seen."""
+
+    def __init__(self, rate: float, start: float) -> None:
+        self.rate, self.start = rate, start
+        self._rho: dict[int, tuple[float, int]] = {}  # B -> (rho, steps)
+
+    def observe(self, batch: int, ratio: float) -> None:
+        if not math.isfinite(ratio):
+            return
+        rho, n = self._rho.get(batch, (self.get(batch), 0))
+        self._rho[batch] = (rho + max(self.rate, 1 / (n + 2)) * (ratio - rho), n + 1)
+
+    def get(self, batch: int) -> float:
+        if batch in self._rho:
+            return self._rho[batch][0]
+        if not self._rho:
+            return self.start
+        nearest = min(self._rho, key=lambda b: (abs(math.log(b / batch)), -self._rho[b][1]))
+        return self._rho[nearest][0]
+
+
 @dataclass
 class _State:
+    greedy: bool
     temperature: float
-    acc: float = 0.0  # decayed accepted draft positions
-    rej: float = 0.0  # decayed rejections
+    p_first: float  # running acceptance of the first drafted token of a step
+    pbar: float  # running mean p of drafted tokens
     history: deque[float] = field(default_factory=deque)  # last N KLDs
-    instability: float = 0.0  # WVIR * SF after the last step that drafted
+    x: float = 0.0  # log(1 + WVIR * SF) after the last step that drafted
     on: bool = True
-    off_since: int = 0  # plan counter when speculation went off
+    off_since: int = 0
     probe_every: int = 0
+    probing: bool = False
     last_k: int = 0
-
-
-def expected_tokens(alpha: np.ndarray, max_k: int, shape: np.ndarray | None = None) -> np.ndarray:
-    """E[b, k] = sum_{j=0..k} prod_{m<=j} alpha_b * shape_m for k = 0..max_k: the tokens one step emits with k
-    drafts (shape: [K] relative acceptance at draft position m given all earlier ones accepted; None: all 1, the
-    geometric case). [B] -> [B, K+1]"""
-    shape = np.ones(max_k) if shape is None else shape[:max_k]
-    cond = np.clip(alpha[:, None] * shape[None, :], 0.0, ALPHA_MAX)  # [B, K]
-    reach = np.cumprod(cond, axis=1)  # [B, K]: P(positions 1..j all accepted)
-    return np.concatenate([np.ones((len(alpha), 1)), 1.0 + np.cumsum(reach, axis=1)], axis=1)
-
-
-def best_plan(values: np.ndarray, max_k: np.ndarray, costs: StepCosts, on_bonus: np.ndarray,
-              iters: int = 10) -> np.ndarray:
-    """Dinkelbach over k in [0, max_k_i]^B for max sum_i values[i, k_i] / T(k), with a per-sequence penalty
-    on_bonus[i] for k_i > 0 (hysteresis). values: [B, K+1]; returns k: [B]."""
-    b, width = values.shape
-    j = np.arange(width)
-    allowed = j[None, :] <= max_k[:, None]  # [B, K+1]
-    lam = b / costs.verify_s  # goodput of target-only decoding
-    ks = np.zeros(b, dtype=np.int64)
-    per_token = costs.verify_per_token_s + costs.draft_per_token_s
-    for _ in range(iters):
-        # N(k) - lambda * T(k), separable once K = max k is fixed: row i picks its best k_i <= K
-        score = values - lam * per_token * j[None, :] - on_bonus[:, None] * (j[None, :] > 0)  # [B, K+1]
-        score = np.where(allowed, score, -np.inf)
-        best = np.maximum.accumulate(score, axis=1)  # [B, K+1]: best score with k_i <= K
-        objective = best.sum(axis=0) - lam * (costs.verify_s + costs.draft_fwd_s * j)  # [K+1]
-        top = int(np.argmax(objective))
-        cand = np.argmax(np.where(j[None, :] <= top, score, -np.inf), axis=1)  # [B]
-        gain = values[np.arange(b), cand].sum() - on_bonus[cand > 0].sum()
-        new_lam = gain / costs.step_s(cand.tolist())
-        if new_lam <= lam * (1 + 1e-9):
-            break
-        ks, lam = cand, new_lam
-    return ks
+    steps: int = 0  # steps that drafted
 
 
 class GoodputPolicy(SpeculationPolicy):
@@ -130,33 +163,18 @@ class GoodputPolicy(SpeculationPolicy):
 
     name = "dsde-goodput"
     cost_aware = True
+    pooled = True
 
     def __init__(self, config: GoodputConfig | None = None) -> None:
-        self.config = config or GoodputConfig()
+        cfg = self.config = config or GoodputConfig()
         self._states: dict[str, _State] = {}
         self._plans = 0
-        self._default = _prior_costs()
-        self._pos_seen = np.zeros(self.config.max_sl)  # decayed: draft positions reached (all earlier accepted)
-        self._pos_acc = np.zeros(self.config.max_sl)  # decayed: of those, accepted
-
-    # ---- estimates -------------------------------------------------------------------------------------
-    def alpha(self, req_id: str) -> float:
-        """alpha_i: the acceptance expected per draft token, after the instability discount."""
-        s, cfg = self._states[req_id], self.config
-        a0 = cfg.prior_alpha * cfg.prior_weight
-        alpha_hat = (s.acc + a0) / (s.acc + s.rej + cfg.prior_weight)
-        discount = min(1.0, 1.0 / s.instability) ** cfg.eta if s.instability > 0 else 1.0
-        return min(alpha_hat * discount, ALPHA_MAX)
-
-    def position_shape(self) -> np.ndarray | None:
-        """[max_sl] conditional acceptance at each draft position over the mean one (acceptance tends to come in
-        runs: a token after accepted ones is more likely accepted), shrunk to 1 where positions are rarely seen."""
-        if not self.config.position_profile:
-            return None
-        w = self.config.prior_weight * 4
-        overall = (self._pos_acc.sum() + 1.0) / (self._pos_seen.sum() + 2.0)
-        cond = (self._pos_acc + w * overall) / (self._pos_seen + w)  # [max_sl]
-        return cond / overall
+        self._models = {g: AcceptanceModel(cfg.prior_weights, cfg.prior_variance, cfg.forgetting)
+                        for g in (True, False)}
+        self._pool_first, self._pool_pbar = cfg.prior_first, cfg.prior_pbar
+        self._default_costs = OnlineCostModel()
+        self._last: tuple[StepCosts, int] | None = None  # the costs and verify base the last plan used
+        self._speedup = SpeedupByBatch(cfg.speedup_rate, cfg.speedup_start)
 
     # ---- the policy interface ----------------------------------------------------------------------------
     def plan(self, seqs: Sequence[SeqInfo], costs: StepCosts | None = None) -> list[Plan]:
@@ -164,52 +182,68 @@ class GoodputPolicy(SpeculationPolicy):
         self._plans += 1
         if not seqs:
             return []
+        base = sum(s.pending for s in seqs)
+        costs = costs or self._default_costs.estimate(len(seqs), base + sum(s.max_k for s in seqs))
+        self._last = (costs, base)
+        states = []
         for seq in seqs:
-            if seq.req_id not in self._states:
-                self._states[seq.req_id] = _State(seq.temperature, probe_every=cfg.probe_every)
-            self._states[seq.req_id].temperature = seq.temperature
-        states = [self._states[s.req_id] for s in seqs]
-        max_k = np.array([min(s.max_k, cfg.max_sl) for s in seqs], dtype=np.int64)  # [B]
-        alpha = np.array([self.alpha(s.req_id) for s in seqs])  # [B]
-        values = expected_tokens(alpha, int(max_k.max()), self.position_shape())  # [B, K+1]
-        bonus = np.array([0.0 if st.on else cfg.margin for st in states])
-        ks = best_plan(values, max_k, costs or self._default, bonus)
+            st = self._states.get(seq.req_id)
+            if st is None:
+                st = self._states[seq.req_id] = _State(seq.temperature == 0.0, seq.temperature, self._pool_first,
+                                                       self._pool_pbar, probe_every=cfg.probe_every)
+            st.greedy, st.temperature = seq.temperature == 0.0, seq.temperature
+            states.append(st)
+        ks = [min(s.max_k, cfg.max_sl) for s in seqs]
+        # level 0: the stop rule on the first token, whose acceptance is p_first (the tokens after it: pbar)
+        rows = [i for i, k in enumerate(ks) if k > 0]
+        reach = [states[i].p_first / max(states[i].pbar, 1e-6) for i in rows]
+        pbar, room = [states[i].pbar for i in rows], [ks[i] for i in rows]
+        stop = DraftStop(costs, base, self._speedup.get(len(seqs)) * len(seqs) / costs.verify(len(seqs)))
+        stop = replace(stop, goodput=stop.step_goodput(reach, pbar, room, len(seqs)))
+        go = stop.next_level(reach, pbar, room, 0)
+        chosen = {i for i, g in zip(rows, go, strict=True) if g}
         plans = []
-        for seq, st, k in zip(seqs, states, ks.tolist(), strict=True):
-            if k == 0 and not st.on and self._plans - st.off_since >= st.probe_every:
-                k = min(cfg.probe_k, seq.max_k)  # a probe: refresh the acceptance estimate
-                st.off_since = self._plans
-                st.probe_every = min(2 * st.probe_every, cfg.probe_max)
-            elif k > 0 and not st.on:
+        for i, (st, k) in enumerate(zip(states, ks, strict=True)):
+            st.probing = False
+            if i in chosen:
                 st.on, st.probe_every = True, cfg.probe_every
-            elif k == 0 and st.on and seq.max_k > 0:
-                st.on, st.off_since = False, self._plans
+            elif k > 0:
+                if st.on:
+                    st.on, st.off_since = False, self._plans
+                # probes fall on plan numbers divisible by the interval, so that the batch's probes share forwards
+                st.probing = self._plans - st.off_since >= st.probe_every and self._plans % st.probe_every == 0
+                if st.probing:
+                    st.off_since = self._plans
+                    st.probe_every = min(2 * st.probe_every, cfg.probe_max)
+                else:
+                    k = 0
             st.last_k = k
-            plans.append(Plan(clamp_k(k, seq.max_k)))
+            model = self._models[st.greedy].row_model(st.x)
+            plans.append(Plan(k, p_next=st.pbar, accept_model=model, stop=stop) if k > 0 else Plan(0))
         return plans
 
     def observe(self, feedback: Sequence[StepFeedback]) -> None:
         cfg = self.config
-        self._pos_seen *= cfg.profile_decay
-        self._pos_acc *= cfg.profile_decay
+        self._observe_speedup(feedback)
         for fb in feedback:
-            s = self._states.get(fb.req_id)
-            if s is None or fb.proposed == 0:
+            st = self._states.get(fb.req_id)
+            if st is None or fb.proposed == 0:
                 continue
-            reached = min(fb.accepted + 1, fb.proposed, cfg.max_sl)  # positions 0..accepted were judged
-            self._pos_seen[:reached] += 1.0
-            self._pos_acc[: min(fb.accepted, cfg.max_sl)] += 1.0
-            s.acc = cfg.rho * s.acc + fb.accepted
-            s.rej = cfg.rho * s.rej + (1.0 if fb.accepted < fb.proposed else 0.0)
-            klds = [max(0.0, v) for v in fb.kld]
-            s.history.extend(klds)
-            while len(s.history) > cfg.window:
-                s.history.popleft()
-            # DSDE's instability, as in its SL rule: WVIR over the KLD history times SF of this step's mean KLD
-            sf = scale_factor(sum(klds) / len(klds), s.temperature, True)
-            # (a flat history is no evidence of rising instability: 0, where DSDE's WVIR reports its constant 20)
-            known = len(s.history) >= cfg.window // 3 and np.var(s.history) >= WVIR_FLAT_VARIANCE
-            s.instability = wvir(s.history, cfg.delta) * sf if known else 0.0
+            st.steps += 1
+            # a plain running mean over the first steps (the pooled start counts as one), then decay rho; a probe
+            # counts for half: after a time off it is the freshest evidence there is
+            keep = min(0.5 if st.probing else cfg.rho, st.steps / (st.steps + 1))
+            st.p_first = keep * st.p_first + (1 - keep) * float(fb.accepted > 0)
+            self._pool_first += cfg.pool_rate * (st.p_first - self._pool_first)
+            model = self._models[st.greedy]
+            if fb.draft_conf:
+                a, s = model.row_model(st.x)
+                p = [sigmoid(a + s * logit(c)) for c in fb.draft_conf]
+                st.pbar = keep * st.pbar + (1 - keep) * float(np.mean(p))
+                self._pool_pbar += cfg.pool_rate * (st.pbar - self._pool_pbar)
+                for j in range(min(fb.accepted + 1, fb.proposed)):  # the accepted ones and the first rejected
+                    model.update(fb.draft_conf[j], st.x, j < fb.accepted)
+            self._update_instability(st, fb)
 
     def release(self, req_id: str) -> None:
         self._states.pop(req_id, None)
@@ -221,9 +255,30 @@ class GoodputPolicy(SpeculationPolicy):
         s = self._states.get(req_id)
         if s is None:
             return {}
-        return {"alpha": self.alpha(req_id), "instability": s.instability, "on": float(s.on), "k": float(s.last_k)}
+        w = self._models[s.greedy].w
+        return {"p_first": s.p_first, "pbar": s.pbar, "instability": s.x, "on": float(s.on), "k": float(s.last_k),
+                "w_conf": float(w[1]), "w_instability": float(w[2])}
 
+    # ---- internals -----------------------------------------------------------------------------------------
+    def _observe_speedup(self, feedback: Sequence[StepFeedback]) -> None:
+        """rho_B: this policy's decode steps at batch B against target-only decoding, each priced by the costs it was
+        planned with (no timing noise): (emitted / step_s) / (B / V(B))."""
+        b = len(feedback)
+        if self._last is None or b == 0 or self._last[1] != b:  # a prompt was fed: not a decode step
+            return
+        costs, base = self._last
+        emitted = sum(fb.accepted + 1 for fb in feedback)
+        ratio = (emitted / costs.step_s([fb.proposed for fb in feedback], base)) / (b / costs.verify(b))
+        self._speedup.observe(b, ratio)
 
-def _prior_costs() -> StepCosts:
-    p = CostPrior()
-    return StepCosts(p.verify_base_s, p.verify_per_token_s, p.draft_fwd_s, p.draft_per_token_s)
+    def _update_instability(self, st: _State, fb: StepFeedback) -> None:
+        """DSDE's signal, as in its SL rule: WVIR over the KLD history times SF of this step's mean KLD."""
+        cfg = self.config
+        klds = [max(0.0, v) for v in fb.kld]
+        st.history.extend(klds)
+        while len(st.history) > cfg.window:
+            st.history.popleft()
+        sf = scale_factor(sum(klds) / len(klds), st.temperature, True)
+        # (a flat history is no evidence of rising instability: 0, where DSDE's WVIR reports its constant 20)
+        known = len(st.history) >= cfg.window // 3 and np.var(st.history) >= WVIR_FLAT_VARIANCE
+        st.x = math.log1p(min(wvir(st.history, cfg.delta) * sf, 1e6)) if known else 0.0
