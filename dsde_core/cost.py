@@ -1,17 +1,16 @@
-"""The step-cost model: what the forwards of a step will cost, learnt online from the decode steps the engine times.
+"""The step-cost model: what the forwards of a step will cost, learnt online from the steps the engine times.
 
 One engine step over a batch of B sequences, sequence i feeding n_i pending tokens (1 when decoding) and k_i drafts:
     verify = V(sum_i (n_i + k_i))               one ragged target forward; V(n) = seconds over n query tokens
     draft  = sum_{l=1..max k} D(m_l)            one batched draft forward per level, m_l = rows drafting at level l
 V is a table, not a line: on a CPU a oneDNN GEMM is flat in the rows up to a block of 16 and then jumps (here
 +45 ms, a third of a step, from 16 to 17 query tokens), and a GPU forward is flat up to its compute knee. The
-target's forward is timed on its own every step with its exact n, so OnlineCostModel keeps one running mean per
-n; an n it has not seen is priced linearly between the n seen around it (optimistic just past a jump, so that n
-gets tried once and learnt), past them as a linear prior scaled to the nearest n seen, and the table is made
-non-decreasing. The draft's forward is
-only timed per call (several levels), so D(m) = D0 + D1 m over m rows is fitted by recursive least squares to
-(forwards, rows summed over them) -> seconds.
-
+target's forward is timed on its own every step with its exact n (a prompt's prefill included), so
+OnlineCostModel keeps one running mean per n; an n it has not seen is priced linearly between the n seen around
+it (optimistic just past a jump, so that n gets tried once and learnt), past them as a linear prior scaled to the
+nearest n seen, and the table is made non-decreasing. The draft's forward is only timed per call (several
+levels), so D(m) = D0 + D1 m over m rows is fitted by recursive least squares to (forwards, rows summed over them)
+-> seconds, on decode steps only (a draft prefill is no decode forward).
 """
 
 from __future__ import annotations
@@ -135,7 +134,7 @@ class _RLS:
 
 @dataclass
 class OnlineCostModel:
-    """Fits the step-cost model above to the engine's decode steps (prefill steps are not decode costs)."""
+    """Fits the step-cost model above to the steps the engine times."""
 
     prior: CostPrior = field(default_factory=CostPrior)
     observed: int = 0

@@ -151,8 +151,7 @@ class Engine:
                 self._failed("policy", e)
         ks = [len(v.kld) for v in verdicts]  # tokens proposed per sequence, 0 included
         emitted = [self._commit(r, v) for r, v in zip(self.running, verdicts, strict=True)]
-        if not prefill:
-            self._observe_costs(pending, proposals, t2 - t1, t3 - t2)
+        self._observe_costs(pending, proposals, t2 - t1, t3 - t2, prefill)
         self.step_log.append(StepRecord(
             batch=len(verdicts), ks=ks, emitted=sum(len(o.token_ids) for o in emitted), draft_s=t2 - t1,
             target_s=t3 - t2, total_s=time.perf_counter() - t0, prefill=prefill))
@@ -162,8 +161,10 @@ class Engine:
         return outputs + emitted
 
     def _plan(self) -> dict[str, Plan]:
-        infos = [SeqInfo(r.req_id, r.params.temperature, self._max_k(r), self._pending(r)) for r in self.running]
-        costs = self.costs.estimate(len(infos), sum(i.pending + i.max_k for i in infos))
+        infos = [SeqInfo(r.req_id, r.params.temperature, self._max_k(r), self._pending(r),
+                         max(1, r.num_tokens - r.synced_draft), r.remaining()) for r in self.running]
+        costs = self.costs.estimate(len(infos), max(sum(i.pending + i.max_k for i in infos),
+                                                    max(i.draft_lag for i in infos)))
         plans = self.policy.plan(infos, costs)
         return {i.req_id: replace(p, k=min(p.k, i.max_k)) for i, p in zip(infos, plans, strict=True)}
 
@@ -173,14 +174,15 @@ class Engine:
         (the target's cache holds every committed token but the last: the correction or bonus token)."""
         return r.num_tokens if r.synced_target == 0 else 1
 
-    def _observe_costs(self, pending: list[int], proposals: dict[str, Proposal], draft_s: float,
-                       verify_s: float) -> None:
-        """Feed one decode step to the cost model: the target's query tokens; the draft's forwards (its levels) and
-        rows over them (one per drafted token; a call that only caught caches up is one forward of its rows)."""
+    def _observe_costs(self, pending: list[int], proposals: dict[str, Proposal], draft_s: float, verify_s: float,
+                       prefill: bool) -> None:
+        """Feed one step to the cost model: the target's query tokens (a prompt's too: the table is by tokens); on a
+        decode step also the draft's forwards (its levels) and rows over them (one per drafted token; a call that
+        only caught caches up is one forward of its rows)."""
         proposed = [len(p.tokens) for p in proposals.values()]
         forwards, rows = (max(proposed), sum(proposed)) if proposed else (int(self._draft_rows > 0),
                                                                            self._draft_rows)
-        self.costs.observe(sum(pending) + sum(proposed), verify_s, forwards, rows, draft_s)
+        self.costs.observe(sum(pending) + sum(proposed), verify_s, 0 if prefill else forwards, rows, draft_s)
 
     def _max_k(self, r: Request) -> int:
         """Ceiling on k: no draft, speculation off, global and per-request max SL, tokens left to generate."""

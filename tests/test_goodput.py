@@ -150,6 +150,27 @@ def test_policy_switches_off_probes_on_a_shared_schedule_and_comes_back() -> Non
     assert pol.stats("r")["on"] == 1.0
 
 
+def test_a_sequence_that_never_drafted_waits_longest_for_its_first_probe() -> None:
+    """Where the pooled evidence says drafting does not pay, a new sequence starts off and its first probe (which
+    would also prefill the draft with its whole context) comes only after probe_max plans."""
+    cfg = GoodputConfig(probe_every=4, probe_max=16)
+    pol = GoodputPolicy(cfg)
+    for r in range(30):  # earlier requests teach the pool that nothing is accepted
+        old = [SeqInfo(f"a{r}", 0.0, 8)]
+        for _ in range(4):
+            plans = pol.plan(old, CPU)
+            _feed(pol, plans, old, lambda k: 0, conf=0.2)
+        pol.release(f"a{r}")
+    new = [SeqInfo("b", 0.0, 8)]
+    ks = []
+    for _ in range(40):
+        plans = pol.plan(new, CPU)
+        ks.append(plans[0].k)
+        _feed(pol, plans, new, lambda k: 0, conf=0.2)
+    first = next(i for i, k in enumerate(ks) if k > 0)
+    assert ks[0] == 0 and first >= cfg.probe_max - 1
+
+
 def test_plans_carry_the_batch_rule_and_each_rows_model() -> None:
     pol = GoodputPolicy()
     seqs = [SeqInfo("a", 0.0, 6), SeqInfo("b", 1.0, 6, pending=40), SeqInfo("c", 0.0, 0)]
@@ -226,12 +247,12 @@ def test_online_cost_model_recovers_the_draft_forward() -> None:
 
 
 def test_policy_tracks_its_own_speedup_per_batch_size() -> None:
-    """lambda_B = rho_B * B / V(B): rho starts strict (2) and follows the speedup the policy's steps reach, priced by
-    the tables; a batch size not seen yet borrows the nearest one's."""
+    """lambda_B = rho_B * B / V(B): rho starts at 1 (target-only) and follows the speedup the policy's steps reach,
+    priced by the tables; a batch size not seen yet borrows the nearest one's."""
     pol = GoodputPolicy()
     costs = _costs(batch=2)
     seqs = [SeqInfo("a", 0.0, 8), SeqInfo("b", 0.0, 8)]
-    assert pol._speedup.get(2) == 2.0
+    assert pol._speedup.get(2) == 1.0
     for _ in range(80):
         pol.plan(seqs, costs)  # every step: 3 drafted, 2 accepted by each sequence
         pol.observe([StepFeedback(s.req_id, 8, 3, 2, (0.1,) * 3, (), (0.9,) * 3) for s in seqs])
@@ -255,13 +276,19 @@ def test_online_cost_model_leaves_its_prior_within_tens_of_steps() -> None:
     assert est.draft(1) == pytest.approx(d, rel=0.1)
 
 
-def test_engine_feeds_its_cost_model_from_decode_steps() -> None:
+def test_engine_feeds_its_cost_model_every_step() -> None:
+    """Every step's target forward (a prompt's too: the table is by query tokens); the draft fit only from decode
+    steps."""
     engine = tiny_engine("static:3", batch=2)
-    for p in random_prompts(2, seed=5):
+    fits = []
+    update = engine.costs._draft.update
+    engine.costs._draft.update = lambda x, y: fits.append(x) or update(x, y)
+    for p in random_prompts(2, seed=5, min_len=20):
         engine.add_request(p, SamplingParams(max_tokens=12))
     engine.run()
     decode_steps = sum(1 for r in engine.step_log if not r.prefill)
-    assert engine.costs.observed == decode_steps > 0
+    assert engine.costs.observed == len(engine.step_log) > decode_steps >= len(fits) > 0
+    assert max(engine.costs._mean) >= 20  # a prompt's forward is in the table
     assert engine.costs.estimate(2).verify(2) > 0
 
 

@@ -34,6 +34,11 @@ class SeqInfo:
     """Hard ceiling from the engine (remaining tokens, cache room, per-request max); the plan's k <= max_k."""
     pending: int = 1
     """Tokens the target is fed for this sequence this step besides the drafts (1 when decoding; a prompt)."""
+    draft_lag: int = 1
+    """Tokens the draft would be fed for this sequence before its first draft token (its whole context when it has
+    never drafted: a draft prefill)."""
+    remaining: int | None = None
+    """Tokens left to generate (None: max_k + 1)."""
 
     def __post_init__(self) -> None:
         if self.max_k < 0:

@@ -58,29 +58,33 @@ class DraftStop:
         return sigmoid(model[0] + model[1] * logit(confidence))
 
     def next_level(self, reach: Sequence[float], pbar: Sequence[float], room: Sequence[int], drafted: int,
-                   level: int = 0) -> list[bool]:
+                   level: int = 0, row_s: Sequence[float] | None = None) -> list[bool]:
         """Which rows draft one more token. reach[i] = pi_ij, pbar[i] = expected p of an undrafted token, room[i] =
         tokens row i may still draft (> 0), drafted = draft tokens proposed so far this step (all rows), level = draft
-        levels so far (the padded verification's width)."""
+        levels so far (the padded verification's width), row_s[i] = seconds row i costs once if it drafts at all."""
         go = np.zeros(len(reach), dtype=bool)
-        n, net, _, _ = self.best(reach, pbar, room, drafted, self.goodput, level)
+        n, net, _, _ = self.best(reach, pbar, room, drafted, self.goodput, level, row_s)
         if n > 0 and net > 0:
-            go[self._order(reach, pbar)[:n]] = True
+            go[self._order(reach, pbar, row_s)[:n]] = True
         return go.tolist()
 
-    @staticmethod
-    def _order(reach: Sequence[float], pbar: Sequence[float]) -> np.ndarray:
-        return np.argsort(-(np.asarray(reach, dtype=np.float64) * np.asarray(pbar, dtype=np.float64)), kind="stable")
+    def _order(self, reach: Sequence[float], pbar: Sequence[float], row_s: Sequence[float] | None) -> np.ndarray:
+        """Rows best first: by the next token's worth, less what the row's own cost takes of it."""
+        worth = np.asarray(reach, dtype=np.float64) * np.asarray(pbar, dtype=np.float64)
+        if row_s is not None:
+            worth = worth - self.goodput * np.asarray(row_s, dtype=np.float64)
+        return np.argsort(-worth, kind="stable")
 
     def best(self, reach: Sequence[float], pbar: Sequence[float], room: Sequence[int], drafted: int,
-             goodput: float, level: int = 0) -> tuple[int, float, float, float]:
+             goodput: float, level: int = 0, row_s: Sequence[float] | None = None) -> tuple[int, float, float, float]:
         """(n, net, gain, seconds) of the best continuation: the top n rows drafting h more levels, max over (n, h) of
         net = gain - goodput * seconds; n = 0 when there is no row. Padded verification (costs.padded) costs every
-        sequence of the batch one token per level, whichever rows draft."""
+        sequence of the batch one token per level, whichever rows draft. row_s: seconds each row adds once if it
+        drafts at all (the policy's share of a draft prefill)."""
         n_rows = len(reach)
         if n_rows == 0:
             return 0, 0.0, 0.0, 0.0
-        order = self._order(reach, pbar)  # [L] best rows first
+        order = self._order(reach, pbar, row_s)  # [L] best rows first
         reach_a = np.asarray(reach, dtype=np.float64)[order]
         pbar_a = np.clip(np.asarray(pbar, dtype=np.float64), 0, 1)[order]
         room_a = np.asarray(room, dtype=np.int64)[order]
@@ -99,18 +103,20 @@ class DraftStop:
             t0 = self.verify_base + drafted
         v_cost = np.array([self.costs.verify(t0 + a) for a in range(int(added.max()) + 1)]) - self.costs.verify(t0)
         seconds = seconds + v_cost[added]
+        if row_s is not None:  # [n, 1]: paid once by each of the top n rows
+            seconds = seconds + np.cumsum(np.asarray(row_s, dtype=np.float64)[order])[:, None]
         net = gain - goodput * seconds  # [n, H]
         i, j = np.unravel_index(np.argmax(net), net.shape)
         return int(i) + 1, float(net[i, j]), float(gain[i, j]), float(seconds[i, j])
 
     def step_goodput(self, reach: Sequence[float], pbar: Sequence[float], room: Sequence[int], rows: int,
-                     iters: int = 8) -> float:
+                     row_s: Sequence[float] | None = None, iters: int = 8) -> float:
         """The best goodput this step can reach under the model, before any token is drafted (Dinkelbach): the max
         over (n, h) of (rows + gain) / (V(T) + seconds), at least this rule's own goodput."""
         lam = self.goodput
         base_s = self.costs.verify(self.verify_base)
         for _ in range(iters):
-            _, net, gain, seconds = self.best(reach, pbar, room, 0, lam)
+            _, net, gain, seconds = self.best(reach, pbar, room, 0, lam, 0, row_s)
             new = (rows + gain) / (base_s + seconds)
             if net <= 0 or new <= lam * (1 + 1e-6):
                 break
