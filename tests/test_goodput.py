@@ -27,9 +27,9 @@ def _costs(batch: int = 1, verify=lambda n: 0.14 + 0.0005 * n, draft=lambda n: 0
                      padded)
 
 
-def _brute(stop: DraftStop, reach, pbar, room, drafted, lam) -> float:
+def _brute(stop: DraftStop, reach, pbar, room, drafted, lam, row_s) -> float:
     """max over (n, h) of the top-n rows' gain over h levels - lam * seconds, by explicit loops."""
-    order = sorted(range(len(reach)), key=lambda i: -reach[i] * pbar[i])
+    order = sorted(range(len(reach)), key=lambda i: -(reach[i] * pbar[i] - lam * row_s[i]))
     best = -math.inf
     for n in range(1, len(reach) + 1):
         rows = order[:n]
@@ -38,7 +38,7 @@ def _brute(stop: DraftStop, reach, pbar, room, drafted, lam) -> float:
             draft = sum(stop.costs.draft(sum(room[i] >= lv for i in rows)) for lv in range(1, h + 1))
             t0 = stop.verify_base + drafted
             verify = stop.costs.verify(t0 + sum(min(h, room[i]) for i in rows)) - stop.costs.verify(t0)
-            best = max(best, gain - lam * (draft + verify))
+            best = max(best, gain - lam * (draft + verify + sum(row_s[i] for i in rows)))
     return best
 
 
@@ -51,15 +51,17 @@ def test_stop_rule_finds_the_brute_force_optimum(seed: int) -> None:
     stop = DraftStop(costs, b, float(rng.uniform(5, 60)))
     reach, pbar = rng.uniform(0.05, 1, b).tolist(), rng.uniform(0.3, 0.99, b).tolist()
     room, drafted = rng.integers(1, 7, b).tolist(), int(rng.integers(0, 4))
-    n, net, gain, seconds = stop.best(reach, pbar, room, drafted, stop.goodput)
-    assert net == pytest.approx(_brute(stop, reach, pbar, room, drafted, stop.goodput), abs=1e-12)
+    row_s = (rng.uniform(0, 0.02, b) * (rng.random(b) < 0.5)).tolist()  # some rows owe a prefill share
+    n, net, gain, seconds = stop.best(reach, pbar, room, drafted, stop.goodput, 0, row_s)
+    assert net == pytest.approx(_brute(stop, reach, pbar, room, drafted, stop.goodput, row_s), abs=1e-12)
     assert net == pytest.approx(gain - stop.goodput * seconds)
-    go = stop.next_level(reach, pbar, room, drafted)
+    go = stop.next_level(reach, pbar, room, drafted, 0, row_s)
     assert sum(go) == (n if net > 0 else 0)
-    if net > 0:  # the rows that go on are the best ones by reach * pbar
-        kept = [reach[i] * pbar[i] for i in range(b) if go[i]]
-        dropped = [reach[i] * pbar[i] for i in range(b) if not go[i]]
-        assert min(kept) >= max(dropped, default=0.0)
+    if net > 0:  # the rows that go on are the best ones by reach * pbar less their own cost
+        worth = [reach[i] * pbar[i] - stop.goodput * row_s[i] for i in range(b)]
+        kept = [worth[i] for i in range(b) if go[i]]
+        dropped = [worth[i] for i in range(b) if not go[i]]
+        assert min(kept) >= max(dropped, default=-math.inf)
 
 
 def test_stop_rule_drafts_while_confident_and_stops_after_doubt() -> None:
@@ -89,6 +91,17 @@ def test_padded_verification_moves_the_whole_batch() -> None:
     stop = DraftStop(_costs(batch=4, verify=lambda n: 0.03, draft=lambda n: 0.0015, padded=True), 4, 400.0)
     assert stop.next_level([0.9, 0.8, 0.1, 0.05], [0.9] * 4, [5] * 4, drafted=8, level=2) == [True] * 4
     assert stop.next_level([0.05] * 4, [0.5] * 4, [5] * 4, drafted=8, level=2) == [False] * 4
+
+
+def test_a_draft_prefill_keeps_a_short_answer_target_only() -> None:
+    """The same sequence with a 600-token context its draft has never seen: worth starting with 200 tokens left to
+    generate, not with 4 (the policy spreads the prefill over the steps left)."""
+    pol = GoodputPolicy()
+    costs = _costs(verify=lambda n: 0.14 + 0.0015 * n, draft=lambda n: 0.04)
+    long = pol.plan([SeqInfo("a", 0.0, 8, draft_lag=600, remaining=200)], costs)
+    short = pol.plan([SeqInfo("b", 0.0, 3, draft_lag=600, remaining=4)], costs)
+    warm = pol.plan([SeqInfo("c", 0.0, 3, draft_lag=1, remaining=4)], costs)
+    assert long[0].k > 0 and short[0].k == 0 and warm[0].k > 0
 
 
 def test_step_goodput_is_the_best_ratio_the_model_sees() -> None:

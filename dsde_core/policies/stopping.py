@@ -10,12 +10,13 @@ and after j drafted tokens the chance that all of them are accepted is pi_ij = p
 
 Stop rule (one decision per draft level, for the rows still drafting). Drafting h more tokens for row i adds
     gain_i(h) = pi_ij * sum_{m=1..h} pbar_i^m                 expected extra output tokens (the accepted ones)
-where pbar_i is the expected p of a token not drafted yet. The top-n rows by pi_ij * pbar_i drafting h more
-levels cost
-    time(n, h) = sum_{l=1..h} D(rows of those n still drafting at level l) + V(T + added tokens) - V(T)
-with D, V the step-cost tables and T the tokens the target will verify so far (with padded verification, every
-sequence of the batch adds a token per level). With lambda the batch's goodput
-(tokens per second), the batch drafts one more level, with the top n* rows, iff
+where pbar_i is the expected p of a token not drafted yet. The top-n rows (by pi_ij * pbar_i - lambda * s_i)
+drafting h more levels cost
+    time(n, h) = sum_{l=1..h} D(rows of those n still drafting at level l) + V(T + added tokens) - V(T) + sum s_i
+with D, V the step-cost tables, T the tokens the target will verify so far (with padded verification, every
+sequence of the batch adds a token per level) and s_i what a row costs once if it drafts at all (before its first
+token: its share of a draft prefill, goodput.py). With lambda the batch's goodput (tokens per second), the batch
+drafts one more level, with the top n* rows, iff
     max_{n, h} [ sum_{i in top n} gain_i(h) - lambda * time(n, h) ] > 0
 (Dinkelbach: an action pays when it earns more than its time would earn at the rate the batch already reaches).
 Looking h levels ahead, not one, keeps the rule right where V jumps (a step crossing 16 verified tokens on a CPU)
