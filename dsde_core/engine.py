@@ -162,7 +162,7 @@ class Engine:
 
     def _plan(self) -> dict[str, Plan]:
         infos = [SeqInfo(r.req_id, r.params.temperature, self._max_k(r), self._pending(r),
-                         max(1, r.num_tokens - r.synced_draft), r.remaining()) for r in self.running]
+                         r.num_tokens if r.synced_draft == 0 else 1, r.remaining()) for r in self.running]
         costs = self.costs.estimate(len(infos), max(sum(i.pending + i.max_k for i in infos),
                                                     max(i.draft_lag for i in infos)))
         plans = self.policy.plan(infos, costs)
