@@ -410,12 +410,9 @@ def simulate(trace: Trace, policy: str | SpeculationPolicy, batch: int, max_sl: 
         if isinstance(pol, OraclePolicy):
             pol.lookahead = {r.rid: r.seq.match(r.pos) for r in running}
         pending = [r.seq.prompt_tokens if r.steps == 0 else 1 for r in running]
-        # the draft is fed a sequence's context when it first drafts (the engine defers it), then keeps up
-        infos = [SeqInfo(r.rid, 0.0, max(0, min(cap_sl, limit - r.out - 1)), n,
-                         1 if r.drafted else r.seq.prompt_tokens + r.out, limit - r.out)
-                 for r, n in zip(running, pending, strict=True)]
-        plans = rec.plan(infos, costs.estimate(len(infos), max(sum(pending) + sum(i.max_k for i in infos),
-                                                               max(i.draft_lag for i in infos)))
+        infos = [SeqInfo(r.rid, 0.0, max(0, min(cap_sl, limit - r.out - 1)), n) for r, n in zip(running, pending,
+                                                                                                 strict=True)]
+        plans = rec.plan(infos, costs.estimate(len(infos), sum(pending) + sum(i.max_k for i in infos))
                          if costs is not None else None)
         ks = _draft_levels(running, plans, [min(p.k, i.max_k) for p, i in zip(plans, infos, strict=True)])
         fbs = []

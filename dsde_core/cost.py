@@ -90,7 +90,7 @@ class CostPrior:
 
     verify_base_s: float = 0.080
     verify_per_token_s: float = 0.002
-    draft_fwd_s: float = 0.020
+    draft_fwd_s: float = 0.020  # the draft's prior is scaled by V(1) seen / verify_base_s (OnlineCostModel)
     draft_per_token_s: float = 0.002
     weight: float = 4.0  # how many observations the draft prior is worth
     forgetting: float = 0.98  # per observation: the draft fit's memory is ~1 / (1 - forgetting) = 50 steps
@@ -140,10 +140,9 @@ class OnlineCostModel:
     observed: int = 0
 
     def __post_init__(self) -> None:
-        p = self.prior
         self._mean: dict[int, float] = {}  # n -> running mean seconds of a target forward over n tokens
         self._count: dict[int, int] = {}
-        self._draft = _RLS([p.draft_fwd_s, p.draft_per_token_s], [4.0, 16.0], p.weight, p.forgetting)
+        self._draft: _RLS | None = None  # made at the first draft step, from a prior scaled to the target's speed
 
     def observe(self, verify_tokens: int, verify_s: float, draft_forwards: int, draft_rows: int,
                 draft_s: float) -> None:
@@ -156,8 +155,18 @@ class OnlineCostModel:
         self._mean[verify_tokens] = m + (verify_s - m) / min(c, self.prior.memory)
         self._count[verify_tokens] = c
         if draft_forwards > 0:
+            if self._draft is None:
+                p = self.prior
+                self._draft = _RLS(self._draft_prior(), [4.0, 16.0], p.weight, p.forgetting)
             self._draft.update([draft_forwards, draft_rows], draft_s)
         self.observed += 1
+
+    def _draft_prior(self) -> tuple[float, float]:
+        """(D0, D1) of the prior, scaled by how fast this target is against the prior's: a draft that was never timed
+        is priced as the prior's share of a target forward (a tiny model's draft is cheap, a GPU's too)."""
+        p = self.prior
+        scale = self.verify(1) / p.verify_base_s
+        return p.draft_fwd_s * scale, p.draft_per_token_s * scale
 
     def verify_table(self, n: int) -> np.ndarray:
         """[n]: V(1..n): the running mean seen at each n, linear between the n seen, and outside them the prior scaled
@@ -181,6 +190,6 @@ class OnlineCostModel:
         b = max(batch, 1)
         n = max(max_tokens or b * 21, b + 1)
         table = np.maximum.accumulate(self.verify_table(n))
-        d0, d1 = (max(float(v), 0.0) for v in self._draft.theta)
+        d0, d1 = (max(float(v), 0.0) for v in (self._draft.theta if self._draft else self._draft_prior()))
         drafts = tuple(d0 + d1 * i for i in range(1, n + 1))
         return StepCosts(b, tuple(table.tolist()), drafts)

@@ -161,10 +161,8 @@ class Engine:
         return outputs + emitted
 
     def _plan(self) -> dict[str, Plan]:
-        infos = [SeqInfo(r.req_id, r.params.temperature, self._max_k(r), self._pending(r),
-                         r.num_tokens if r.synced_draft == 0 else 1, r.remaining()) for r in self.running]
-        costs = self.costs.estimate(len(infos), max(sum(i.pending + i.max_k for i in infos),
-                                                    max(i.draft_lag for i in infos)))
+        infos = [SeqInfo(r.req_id, r.params.temperature, self._max_k(r), self._pending(r)) for r in self.running]
+        costs = self.costs.estimate(len(infos), sum(i.pending + i.max_k for i in infos))
         plans = self.policy.plan(infos, costs)
         return {i.req_id: replace(p, k=min(p.k, i.max_k)) for i, p in zip(infos, plans, strict=True)}
 

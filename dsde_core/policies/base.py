@@ -34,11 +34,6 @@ class SeqInfo:
     """Hard ceiling from the engine (remaining tokens, cache room, per-request max); the plan's k <= max_k."""
     pending: int = 1
     """Tokens the target is fed for this sequence this step besides the drafts (1 when decoding; a prompt)."""
-    draft_lag: int = 1
-    """Tokens the draft must be fed for this sequence before its first draft token beyond the usual one or two: its
-    whole context when it has never drafted (or its draft restarted), a draft prefill; else 1."""
-    remaining: int | None = None
-    """Tokens left to generate (None: max_k + 1)."""
 
     def __post_init__(self) -> None:
         if self.max_k < 0:

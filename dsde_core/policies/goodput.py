@@ -17,14 +17,14 @@ Four estimates, all learnt online:
 3. Costs: the engine's step-cost tables V and D (dsde_core.cost.StepCosts).
 4. Goodput: lambda_B = rho_B * B / V(B), with rho_B this policy's running speedup over target-only decoding at
    batch B, each decode step priced by the tables it was planned with (no timing noise): a plain mean over its
-   first steps, where its start (1: target-only) counts as one, then decay 1 - speedup_rate per step. A step is
-   planned with the larger of lambda_B and the best rate the model itself sees for the step (DraftStop.step_goodput:
-   Dinkelbach), so that it never weighs time at less than what the batch can reach.
+   first steps, where its start counts as one, then decay 1 - speedup_rate per step. rho starts at 2: a lambda
+   above the rate the batch reaches only makes the policy draft less (and the rate it then reaches pulls rho down
+   within a few steps), one below it drafts tokens that do not pay. A step is planned with the larger of lambda_B
+   and the best rate the model itself sees for the step (DraftStop.step_goodput: Dinkelbach).
 
 The plan, level 0 of the stop rule: with the first token's acceptance p_first_i and pbar_i for the tokens after it,
 the batch's DraftStop picks the sequences that draft a first token (and so the number that do: none, when no
-draft pays). A sequence whose draft lags (one that never drafted has its whole context to prefill) adds that
-catch-up's cost spread over the steps it has left, remaining_i / E_i with E_i = 1 + p_first_i / (1 - pbar_i).
+draft pays).
 The sequences picked get k = their engine ceiling, p_next = pbar_i and their acceptance model; the draft worker
 applies the same rule after every level with the confidences it sees (the SL and its cap are consequences of the
 costs). A sequence not picked drafts nothing (its draft cache still advances with the committed tokens: the
@@ -66,7 +66,7 @@ class GoodputConfig:
     window: int = 30  # DSDE's N: KLD history for WVIR
     delta: float = 0.9  # WVIR's decay
     speedup_rate: float = 0.2  # per decode step, of rho_B (memory ~5 steps)
-    speedup_start: float = 1.0  # rho before any step: lambda starts at target-only decoding's rate
+    speedup_start: float = 2.0  # rho before any step (see the module doc)
 
     def __post_init__(self) -> None:
         checks = [
@@ -201,10 +201,9 @@ class GoodputPolicy(SpeculationPolicy):
         rows = [i for i, k in enumerate(ks) if k > 0]
         reach = [states[i].p_first / max(states[i].pbar, 1e-6) for i in rows]
         pbar, room = [states[i].pbar for i in rows], [ks[i] for i in rows]
-        row_s = [self._catch_up_share(seqs[i], states[i], costs) for i in rows]
         stop = DraftStop(costs, base, self._speedup.get(len(seqs)) * len(seqs) / costs.verify(len(seqs)))
-        stop = replace(stop, goodput=stop.step_goodput(reach, pbar, room, len(seqs), row_s))
-        go = stop.next_level(reach, pbar, room, 0, 0, row_s)
+        stop = replace(stop, goodput=stop.step_goodput(reach, pbar, room, len(seqs)))
+        go = stop.next_level(reach, pbar, room, 0)
         chosen = {i for i, g in zip(rows, go, strict=True) if g}
         plans = []
         for i, (st, k) in enumerate(zip(states, ks, strict=True)):
@@ -266,18 +265,6 @@ class GoodputPolicy(SpeculationPolicy):
                 "w_conf": float(w[1]), "w_instability": float(w[2])}
 
     # ---- internals -----------------------------------------------------------------------------------------
-    @staticmethod
-    def _catch_up_share(seq: SeqInfo, st: _State, costs: StepCosts) -> float:
-        """The seconds a sequence's first draft forward costs beyond one row, over the steps it has left: a sequence
-        that never drafted feeds the draft its whole context first (a prefill, priced as the target's forward over
-        as many tokens times the draft/target cost ratio), an investment its remaining steps share."""
-        if seq.draft_lag <= 1:
-            return 0.0
-        prefill = (costs.verify(seq.draft_lag) - costs.verify(1)) * costs.draft(1) / costs.verify(1)
-        per_step = 1.0 + st.p_first / (1.0 - min(st.pbar, 0.9))  # expected tokens of a speculative step
-        remaining = seq.remaining if seq.remaining is not None else seq.max_k + 1
-        return prefill / max(1.0, remaining / per_step)
-
     def _observe_speedup(self, feedback: Sequence[StepFeedback]) -> None:
         """rho_B: this policy's decode steps at batch B against target-only decoding, each priced by the costs it was
         planned with (no timing noise): (emitted / step_s) / (B / V(B))."""

@@ -10,12 +10,11 @@ and after j drafted tokens the chance that all of them are accepted is pi_ij = p
 
 Stop rule (one decision per draft level, for the rows still drafting). Drafting h more tokens for row i adds
     gain_i(h) = pi_ij * sum_{m=1..h} pbar_i^m                 expected extra output tokens (the accepted ones)
-where pbar_i is the expected p of a token not drafted yet. The top-n rows (by pi_ij * pbar_i - lambda * s_i)
-drafting h more levels cost
-    time(n, h) = sum_{l=1..h} D(rows of those n still drafting at level l) + V(T + added tokens) - V(T) + sum s_i
-with D, V the step-cost tables, T the tokens the target will verify so far (with padded verification, every
-sequence of the batch adds a token per level) and s_i what a row costs once if it drafts at all (before its first
-token: its share of a draft prefill, goodput.py). With lambda the batch's goodput (tokens per second), the batch
+where pbar_i is the expected p of a token not drafted yet. The top-n rows by pi_ij * pbar_i drafting h more
+levels cost
+    time(n, h) = sum_{l=1..h} D(rows of those n still drafting at level l) + V(T + added tokens) - V(T)
+with D, V the step-cost tables and T the tokens the target will verify so far (with padded verification, every
+sequence of the batch adds a token per level). With lambda the batch's goodput (tokens per second), the batch
 drafts one more level, with the top n* rows, iff
     max_{n, h} [ sum_{i in top n} gain_i(h) - lambda * time(n, h) ] > 0
 (Dinkelbach: an action pays when it earns more than its time would earn at the rate the batch already reaches).
@@ -59,33 +58,30 @@ class DraftStop:
         return sigmoid(model[0] + model[1] * logit(confidence))
 
     def next_level(self, reach: Sequence[float], pbar: Sequence[float], room: Sequence[int], drafted: int,
-                   level: int = 0, row_s: Sequence[float] | None = None) -> list[bool]:
+                   level: int = 0) -> list[bool]:
         """Which rows draft one more token. reach[i] = pi_ij, pbar[i] = expected p of an undrafted token, room[i] =
         tokens row i may still draft (> 0), drafted = draft tokens proposed so far this step (all rows), level = draft
-        levels so far (the padded verification's width), row_s[i] = seconds row i costs once if it drafts at all."""
+        levels so far (the padded verification's width)."""
         go = np.zeros(len(reach), dtype=bool)
-        n, net, _, _ = self.best(reach, pbar, room, drafted, self.goodput, level, row_s)
+        n, net, _, _ = self.best(reach, pbar, room, drafted, self.goodput, level)
         if n > 0 and net > 0:
-            go[self._order(reach, pbar, row_s)[:n]] = True
+            go[self._order(reach, pbar)[:n]] = True
         return go.tolist()
 
-    def _order(self, reach: Sequence[float], pbar: Sequence[float], row_s: Sequence[float] | None) -> np.ndarray:
-        """Rows best first: by the next token's worth, less what the row's own cost takes of it."""
-        worth = np.asarray(reach, dtype=np.float64) * np.asarray(pbar, dtype=np.float64)
-        if row_s is not None:
-            worth = worth - self.goodput * np.asarray(row_s, dtype=np.float64)
-        return np.argsort(-worth, kind="stable")
+    @staticmethod
+    def _order(reach: Sequence[float], pbar: Sequence[float]) -> np.ndarray:
+        """Rows best first, by the next token's worth."""
+        return np.argsort(-(np.asarray(reach, dtype=np.float64) * np.asarray(pbar, dtype=np.float64)), kind="stable")
 
     def best(self, reach: Sequence[float], pbar: Sequence[float], room: Sequence[int], drafted: int,
-             goodput: float, level: int = 0, row_s: Sequence[float] | None = None) -> tuple[int, float, float, float]:
+             goodput: float, level: int = 0) -> tuple[int, float, float, float]:
         """(n, net, gain, seconds) of the best continuation: the top n rows drafting h more levels, max over (n, h) of
         net = gain - goodput * seconds; n = 0 when there is no row. Padded verification (costs.padded) costs every
-        sequence of the batch one token per level, whichever rows draft. row_s: seconds each row adds once if it
-        drafts at all (the policy's share of a draft prefill)."""
+        sequence of the batch one token per level, whichever rows draft."""
         n_rows = len(reach)
         if n_rows == 0:
             return 0, 0.0, 0.0, 0.0
-        order = self._order(reach, pbar, row_s)  # [L] best rows first
+        order = self._order(reach, pbar)  # [L] best rows first
         reach_a = np.asarray(reach, dtype=np.float64)[order]
         pbar_a = np.clip(np.asarray(pbar, dtype=np.float64), 0, 1)[order]
         room_a = np.asarray(room, dtype=np.int64)[order]
@@ -104,20 +100,18 @@ class DraftStop:
             t0 = self.verify_base + drafted
         v_cost = np.array([self.costs.verify(t0 + a) for a in range(int(added.max()) + 1)]) - self.costs.verify(t0)
         seconds = seconds + v_cost[added]
-        if row_s is not None:  # [n, 1]: paid once by each of the top n rows
-            seconds = seconds + np.cumsum(np.asarray(row_s, dtype=np.float64)[order])[:, None]
         net = gain - goodput * seconds  # [n, H]
         i, j = np.unravel_index(np.argmax(net), net.shape)
         return int(i) + 1, float(net[i, j]), float(gain[i, j]), float(seconds[i, j])
 
     def step_goodput(self, reach: Sequence[float], pbar: Sequence[float], room: Sequence[int], rows: int,
-                     row_s: Sequence[float] | None = None, iters: int = 8) -> float:
+                     iters: int = 8) -> float:
         """The best goodput this step can reach under the model, before any token is drafted (Dinkelbach): the max
         over (n, h) of (rows + gain) / (V(T) + seconds), at least this rule's own goodput."""
         lam = self.goodput
         base_s = self.costs.verify(self.verify_base)
         for _ in range(iters):
-            _, net, gain, seconds = self.best(reach, pbar, room, 0, lam, 0, row_s)
+            _, net, gain, seconds = self.best(reach, pbar, room, 0, lam)
             new = (rows + gain) / (base_s + seconds)
             if net <= 0 or new <= lam * (1 + 1e-6):
                 break
