@@ -164,6 +164,7 @@ def test_draft_that_never_comes_back_leaves_target_only_decoding(reference: list
     # the slots released while the draft was down wait for it; everything else is free
     assert engine.health["draft"].pending == set(range(BATCH))
     parties["draft"].restart()
+    time.sleep(2 * engine.config.worker_probe_s)  # past the next probe, however fast the restart was
     engine.step()  # nothing to run: the probe brings the draft back and flushes its deferred releases
     assert not engine.health["draft"].down and not engine.health["draft"].pending
     _assert_all_freed(engine, parties)
