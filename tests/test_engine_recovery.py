@@ -116,6 +116,12 @@ def _run_bounded(engine: Engine, steps: int = 2000) -> None:
     raise AssertionError("the engine did not finish its requests")
 
 
+def _restart(engine: Engine, party: Flaky) -> None:
+    """Restart a party and wait past the engine's next probe of it, however fast the restart was."""
+    party.restart()
+    time.sleep(2 * engine.config.worker_probe_s)
+
+
 def _assert_all_freed(engine: Engine, parties: dict[str, Any]) -> None:
     assert not engine.running and not engine.waiting and not engine.requests
     assert len(engine.free_slots) == BATCH
@@ -163,8 +169,7 @@ def test_draft_that_never_comes_back_leaves_target_only_decoding(reference: list
     assert parties["draft"].calls["propose"] == 2  # no call to a dead draft after the failure; probes only
     # the slots released while the draft was down wait for it; everything else is free
     assert engine.health["draft"].pending == set(range(BATCH))
-    parties["draft"].restart()
-    time.sleep(2 * engine.config.worker_probe_s)  # past the next probe, however fast the restart was
+    _restart(engine, parties["draft"])
     engine.step()  # nothing to run: the probe brings the draft back and flushes its deferred releases
     assert not engine.health["draft"].down and not engine.health["draft"].pending
     _assert_all_freed(engine, parties)
@@ -255,7 +260,7 @@ def test_cancel_while_the_target_is_down_frees_everything() -> None:
     assert all(r.finish_reason == "cancelled" for r in reqs)
     assert not engine.running and not engine.waiting and not engine.requests and len(engine.free_slots) == BATCH
     assert engine.health["target"].pending  # its releases wait for it
-    parties["target"].restart()
+    _restart(engine, parties["target"])
     engine.step()
     _assert_all_freed(engine, parties)
 
