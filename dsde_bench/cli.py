@@ -298,7 +298,7 @@ def _simulate(args: argparse.Namespace) -> int:
         if not bench.exists():
             raise ConfigError(f"cost profile 'engine' fits the step timings of {bench}: run `dsde bench` first")
         rows = [r for c in json.loads(bench.read_text()).get("steps", []) for r in c["steps"]]
-        engine_model = fit_engine_steps(rows)
+        engine_model = fit_engine_steps(rows, beyond=measured)
     profiles = [parse_profile(p, measured, engine_model) for p in args.profiles]
 
     from dsde_bench.runner import ROW_HEADER, format_row

@@ -132,22 +132,26 @@ def reading(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
 
 
 def oracle_table(sim: dict[str, Any] | None) -> str:
+    """dsde-goodput and DSDE beside the oracle: speedups under each profile, and target forwards per token against
+    the oracle's (the distance the benchmark issue defines)."""
     if not sim:
         return "(no simulator results: run `dsde bench --simulate`)"
     rows = []
     for (p, w, b), cs in groups(sim["cells"], ("profile", "workload", "batch")).items():
         m = {c["policy"]: c["metrics"] for c in cs}
-        if POLICY not in m or "oracle" not in m:
+        if POLICY not in m or "dsde" not in m or "oracle" not in m:
             continue
-        so = next((c for c in cs if c["policy"] == "static-opt"), None)
-        rows.append([p, w, b, *(fmt(m.get(x, {}).get("speedup")) for x in (POLICY, "dsde", "oracle")),
-                     fmt(so["metrics"]["speedup"] if so else None),
-                     *(fmt(m.get(x, {}).get("speedup", float("nan")) / m["oracle"]["speedup"], ".2f")
-                       for x in (POLICY, "dsde"))])
+        rows.append([p, w, b, *(fmt(m.get(x, {}).get("speedup")) for x in ("static-opt", "dsde", POLICY, "oracle")),
+                     *(fmt(m[x].get("oracle_gap"), ".2f") for x in ("dsde", POLICY))])
     if not rows:
-        return "(the simulator run did not include dsde-goodput and the oracle)"
-    return md_table(["profile", "workload", "batch", "goodput speedup", "DSDE speedup", "oracle speedup",
-                     "Static-opt speedup", "goodput / oracle", "DSDE / oracle"], rows)
+        return "(the simulator run did not include dsde-goodput, DSDE and the oracle)"
+    return ("Speedup over target-only under each profile; \"target fwd vs oracle\" = target forwards per token / the "
+            "oracle's (1.00 is the fewest possible). The oracle drafts exactly what will be accepted but ignores what "
+            "a step costs, so it bounds target forwards, not speed: where drafting does not pay (large batches on "
+            "this CPU) a policy that drafts less is faster than it, and dsde-goodput spends target forwards on "
+            "purpose.\n\n"
+            + md_table(["profile", "workload", "batch", "Static-opt", "DSDE", "goodput", "oracle",
+                        "DSDE target fwd vs oracle", "goodput target fwd vs oracle"], rows))
 
 
 def section(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
@@ -183,7 +187,7 @@ Real runs on this machine (throughput = output tokens/s of the whole cell; ratio
 
 {reading(docs, sim)}
 
-### Distance to the oracle (simulator, T=0; speedup over target-only under each cost profile)
+### Distance to the oracle (simulator, T=0)
 
 {oracle_table(sim)}
 

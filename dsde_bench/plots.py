@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-POLICY_ORDER = ("static-opt", "heuristic", "adaedl", "acceptance", "dsde-nocap", "dsde", "dsde-paper",
+POLICY_ORDER = ("static-opt", "heuristic", "adaedl", "acceptance", "dsde-nocap", "dsde", "dsde-paper", "dsde-goodput",
                 "hf-assisted", "hf-assisted-heuristic", "hf-generate", "oracle")
 
 

@@ -250,11 +250,15 @@ def measure_costs(target: Any, draft: Any, context: int = 128, repeats: int = 3,
                      table=True)
 
 
-def fit_engine_steps(rows: Sequence[Sequence[float]]) -> CostModel:
+def fit_engine_steps(rows: Sequence[Sequence[float]], beyond: CostModel | None = None) -> CostModel:
     """A cost model from the engine's own step timings (bench.json "steps": [batch, sum_k, draft_calls, draft_s,
     target_s, prefill]); steps that carried a prompt are left out. Target: seconds against query tokens
     batch + sum_k; draft: seconds per draft call against the batch. The fastest step of each group is fitted: on a
-    shared machine other work only ever adds time (a median still carries minutes-long bursts)."""
+    shared machine other work only ever adds time (a median still carries minutes-long bursts).
+
+    beyond: a measured model (measure_costs) that prices forwards larger than any the engine ran (a draft's prefill,
+    a batch of 16): past its last point each table follows `beyond`'s increments, not the slope of its own last two
+    points (the draft's are per-row decode costs at batch 1 to 4, far steeper than a prefill's per-token cost)."""
     t_groups: dict[int, list[float]] = {}
     d_groups: dict[int, list[float]] = {}
     for batch, sum_k, calls, draft_s, target_s, prefill in rows:
@@ -267,10 +271,19 @@ def fit_engine_steps(rows: Sequence[Sequence[float]]) -> CostModel:
         raise ConfigError("no engine steps with drafts to fit a cost model from")
     tp = [[float(n), min(v)] for n, v in sorted(t_groups.items())]
     dp = [[float(n), min(v)] for n, v in sorted(d_groups.items())]
-    tb, tt, tk = fit_hinge(tp)
+    tb, tt, tk = fit_hinge(tp)  # the hinge summarises what the engine ran; the tables price
     db, dt, dk = fit_hinge(dp)
+    if beyond is not None:
+        tp, dp = _continue(tp, beyond.target_fwd), _continue(dp, beyond.draft_fwd)
     return CostModel("engine", tb, tt, db, dt, knee=tk, draft_knee=dk, points={"target": tp, "draft": dp},
                      table=True)
+
+
+def _continue(points: list[list[float]], fwd: Callable[[int], float]) -> list[list[float]]:
+    """points extended past their last n with fwd's increments, at powers of two up to 4096 tokens."""
+    n0, y0 = points[-1]
+    ns = [2 ** i for i in range(1, 13) if 2 ** i > n0]
+    return points + [[float(n), y0 + fwd(n) - fwd(int(n0))] for n in ns]
 
 
 def fit_hinge(points: Sequence[Sequence[float]]) -> tuple[float, float, int]:

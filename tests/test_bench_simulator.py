@@ -13,6 +13,7 @@ from dsde_bench.simulator import (
     CostModel,
     OraclePolicy,
     builtin_profile,
+    fit_engine_steps,
     parse_profile,
     simulate,
     sweep,
@@ -168,6 +169,22 @@ def test_profiles() -> None:
         parse_profile("tpu")
     with pytest.raises(ConfigError):
         parse_profile("gpu:speed=3")
+
+
+def test_engine_profile_prices_what_the_engine_ran_and_follows_a_measured_model_beyond() -> None:
+    # [batch, sum_k, draft_calls, draft_s, target_s, prefill]: the fastest step of each group counts, prefills not
+    rows = [[1, 3, 3, 0.30, 1.0, 0], [1, 3, 3, 0.36, 1.2, 0], [4, 4, 1, 0.12, 1.5, 0], [4, 0, 0, 0.0, 9.0, 1]]
+    beyond = CostModel("m", 1.0, 0.001, 0.05, 0.0005)
+    own, cont = fit_engine_steps(rows), fit_engine_steps(rows, beyond=beyond)
+    for m in (own, cont):
+        assert m.target_fwd(4) == pytest.approx(1.0) and m.target_fwd(8) == pytest.approx(1.5)
+        assert m.draft_fwd(1) == pytest.approx(0.10) and m.draft_fwd(4) == pytest.approx(0.12)
+    # past the engine's largest forward: the measured model's increments, not the last two points' slope
+    assert cont.target_fwd(1024) == pytest.approx(1.5 + 0.001 * (1024 - 8))
+    assert cont.draft_fwd(1024) == pytest.approx(0.12 + 0.0005 * (1024 - 4))
+    assert own.draft_fwd(1024) == pytest.approx(0.12 + (0.02 / 3) * (1024 - 4))
+    with pytest.raises(ConfigError):
+        fit_engine_steps([[4, 0, 0, 0.0, 9.0, 1]])
 
 
 def test_oracle_policy_reads_its_lookahead() -> None:
