@@ -128,6 +128,14 @@ def reading(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
         lines.append(f"- **Simulator** (no timing noise, every cost profile): dsde-goodput is at least as fast as both "
                      f"Static-opt and DSDE in {len(wins)} of {len(rows)} (profile, workload, batch) cells, "
                      f"{sum(b >= 4 for _, b in wins)} of them at batch 4 or more.")
+        gpu = [(w, b, m[POLICY] / max(m["static-opt"], m["dsde"])) for p, w, b, m in rows
+               if p == "gpu" and m.get(POLICY) and m.get("static-opt") and m.get("dsde")]
+        if gpu:
+            lines.append("- **GPU-like profile** (the issue's simulator check), dsde-goodput's speedup / the better of "
+                         "Static-opt and DSDE: " + ", ".join(f"{w} b{b} {r:.2f}x" for w, b, r in gpu)
+                         + f"; at least as fast in {sum(r >= 1 for *_, r in gpu)} of {len(gpu)}, faster on mixed in "
+                           f"{sum(r > 1 for w, _, r in gpu if w == 'mixed')} of "
+                           f"{sum(w == 'mixed' for w, *_ in gpu)}.")
     return "\n".join(lines)
 
 

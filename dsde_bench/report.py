@@ -451,7 +451,10 @@ Traces:
 {traces}
 
 Cost profiles (a forward of n query tokens costs base + per_token x max(0, n - knee); draft/target = ratio of
-single-token forwards; padded: verification pads to the longest k, vLLM-style):
+single-token forwards; padded: verification pads to the longest k, vLLM-style). measured and engine price each
+forward from their tables of timed points (interpolated; the hinge here only summarises them): measured times
+forwards of 1 to 256 tokens on this machine; engine takes the engine's own decode steps of the grid run, and past
+the largest forward it ran (a draft prefill, batch 16) follows measured's increments:
 
 {md_table(["profile", "target base ms", "target ms/token", "draft/target", "draft ms/token", "knee t/d", "padded"],
           prof_rows)}

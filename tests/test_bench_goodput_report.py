@@ -54,3 +54,13 @@ def test_reading_reports_the_sl_chosen_against_static_opt() -> None:
     cells[-1]["metrics"]["sl_mean"] = 5.25
     text = goodput_report.reading({"bench": _doc(cells)}, None)
     assert "code T=0 b1 5.2/4" in text and "1.07x to 1.07x of its throughput" in text
+
+
+def test_reading_judges_the_gpu_profile_cells_of_the_simulator() -> None:
+    def sim_cells(w: str, so: float, dsde: float, goodput: float) -> list[dict[str, Any]]:
+        return [{"profile": "gpu", "workload": w, "batch": 4, "policy": p, "metrics": {"speedup": v}}
+                for p, v in (("static-opt", so), ("dsde", dsde), ("dsde-goodput", goodput))]
+
+    sim = {"cells": sim_cells("code", 5.0, 6.0, 6.6) + sim_cells("mixed", 4.0, 3.0, 3.9)}
+    text = goodput_report.reading({}, sim)
+    assert "code b4 1.10x, mixed b4 0.97x; at least as fast in 1 of 2, faster on mixed in 0 of 1." in text

@@ -391,8 +391,11 @@ def test_schemathesis_finds_no_server_error_and_no_worker_restarts(svc: Service,
     if not schemathesis.exists():
         pytest.fail("schemathesis is not installed: pip install -e '.[test]'")
     before, health = svc.state(), json.loads(http_get(f"{svc.base}/health")[1])
+    # one worker: with several, schemathesis draws in threads, and CPython 3.11's ast.parse (hypothesis calls it to
+    # describe strategies) is not thread-safe: now and then "SystemError: AST constructor recursion depth mismatch"
+    # (python/cpython#106905) ended the run with a runtime error that says nothing about the server
     cmd = [str(schemathesis), "run", f"{svc.base}/openapi.json", "--checks", "not_a_server_error",
-           "-H", f"Authorization: Bearer {KEY}", "--max-examples", "10", "--workers", "4", "--seed", "7",
+           "-H", f"Authorization: Bearer {KEY}", "--max-examples", "10", "--workers", "1", "--seed", "7",
            "--request-timeout", "120", "--phases", "examples,coverage,fuzzing", "--generation-database", "none",
            "--no-color", "--suppress-health-check", "all"]
     t0 = time.perf_counter()
