@@ -123,13 +123,12 @@ def reading(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
                      + f"; {sum(r >= LOW_ACCEPTANCE_FLOOR for *_, r in sim_low)} of {len(sim_low)} at or above "
                        f"{LOW_ACCEPTANCE_FLOOR}x target-only.")
     if rows:
-        wins = [(p, b) for p, _, b, m in rows if m.get(POLICY) and m.get("static-opt") and m.get("dsde")
-                and m[POLICY] >= max(m["static-opt"], m["dsde"])]
+        full = [(p, w, b, m) for p, w, b, m in rows if all(m.get(x) for x in (POLICY, "static-opt", "dsde"))]
+        wins = [(p, b) for p, _, b, m in full if m[POLICY] >= max(m["static-opt"], m["dsde"])]
         lines.append(f"- **Simulator** (no timing noise, every cost profile): dsde-goodput is at least as fast as both "
                      f"Static-opt and DSDE in {len(wins)} of {len(rows)} (profile, workload, batch) cells, "
                      f"{sum(b >= 4 for _, b in wins)} of them at batch 4 or more.")
-        gpu = [(w, b, m[POLICY] / max(m["static-opt"], m["dsde"])) for p, w, b, m in rows
-               if p == "gpu" and m.get(POLICY) and m.get("static-opt") and m.get("dsde")]
+        gpu = [(w, b, m[POLICY] / max(m["static-opt"], m["dsde"])) for p, w, b, m in full if p == "gpu"]
         if gpu:
             lines.append("- **GPU-like profile** (the issue's simulator check), dsde-goodput's speedup / the better of "
                          "Static-opt and DSDE: " + ", ".join(f"{w} b{b} {r:.2f}x" for w, b, r in gpu)
