@@ -120,7 +120,7 @@ class ProfileCosts:
         return StepCosts(b, verify, draft, self.cost.padded)
 
     def observe(self, verify_tokens: int, verify_s: float, draft_forwards: int, draft_rows: int,
-                draft_s: float) -> None:
+                draft_s: float, draft_context: int = 0) -> None:
         self.observed += 1
 
 
@@ -423,8 +423,8 @@ def simulate(trace: Trace, policy: str | SpeculationPolicy, batch: int, max_sl: 
         if isinstance(pol, OraclePolicy):
             pol.lookahead = {r.rid: r.seq.match(r.pos) for r in running}
         pending = [r.seq.prompt_tokens if r.steps == 0 else 1 for r in running]
-        infos = [SeqInfo(r.rid, 0.0, max(0, min(cap_sl, limit - r.out - 1)), n) for r, n in zip(running, pending,
-                                                                                                 strict=True)]
+        infos = [SeqInfo(r.rid, 0.0, max(0, min(cap_sl, limit - r.out - 1)), n, limit - r.out, _draft_lag(r))
+                 for r, n in zip(running, pending, strict=True)]
         plans = rec.plan(infos, costs.estimate(len(infos), sum(pending) + sum(i.max_k for i in infos))
                          if costs is not None else None)
         ks = _draft_levels(running, plans, [min(p.k, i.max_k) for p, i in zip(plans, infos, strict=True)])
@@ -434,9 +434,7 @@ def simulate(trace: Trace, policy: str | SpeculationPolicy, batch: int, max_sl: 
             fbs.append(StepFeedback(r.rid, min(p.k, info.max_k), k, acc, tuple(r.seq.kld[r.pos][:k]),
                                     tuple(r.seq.entropy[r.pos][:k]), tuple(r.seq.top1[r.pos][:k])))
         rec.observe(fbs)
-        # the draft learns a sequence's context (prompt and output so far) when the sequence first drafts
-        draft_extra = [r.seq.prompt_tokens - 1 + r.out if k > 0 and not r.drafted else 0 for r, k in zip(running, ks,
-                                                                                                       strict=True)]
+        draft_extra = [_draft_lag(r) if k > 0 else 0 for r, k in zip(running, ks, strict=True)]
         steps.append((ks, [n - 1 for n in pending], draft_extra))
         for r, fb in zip(running, fbs, strict=True):
             _commit(r, fb, limit, step)
@@ -445,6 +443,11 @@ def simulate(trace: Trace, policy: str | SpeculationPolicy, batch: int, max_sl: 
             rec.release(r.rid)
         running = [r for r in running if not r.done]
     return SimRun(name, batch, steps, everyone, finished, rec.series)
+
+
+def _draft_lag(r: _Live) -> int:
+    """The context the draft takes in when r drafts: its prompt and output so far when it never drafted before."""
+    return 0 if r.drafted else r.seq.prompt_tokens - 1 + r.out
 
 
 def _draft_levels(running: list[_Live], plans: Sequence[Plan], caps: Sequence[int]) -> list[int]:

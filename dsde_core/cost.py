@@ -10,7 +10,10 @@ OnlineCostModel keeps one running mean per n; an n it has not seen is priced lin
 it (optimistic just past a jump, so that n gets tried once and learnt), past them as a linear prior scaled to the
 nearest n seen, and the table is made non-decreasing. The draft's forward is only timed per call (several
 levels), so D(m) = D0 + D1 m over m rows is fitted by recursive least squares to (forwards, rows summed over them)
--> seconds, on decode steps only (a draft prefill is no decode forward).
+-> seconds, on decode steps only. A call that also took in context tokens (a sequence's first draft step prefills the
+draft with its whole context; a lagging cache catches up) prices them instead: C seconds per context token, the
+call's time beyond D over its context tokens, a running mean. A context token costs far less than a decode row (a
+prefill is one efficient GEMM), so D1 would overprice it several times over.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class StepCosts:
     verify_table: tuple[float, ...]  # [N]: a target forward over n = 1..N query tokens (non-decreasing)
     draft_table: tuple[float, ...]  # [M]: a draft forward over n = 1..M query tokens
     padded: bool = False  # the target verifies every sequence padded to the longest draft (vLLM-style engines)
+    context_per_token_s: float | None = None  # C: the draft taking in a context token; None: the draft table's slope
 
     def __post_init__(self) -> None:
         if self.batch < 1:
@@ -58,6 +62,14 @@ class StepCosts:
     def draft(self, n: int) -> float:
         """Seconds of a draft forward over n query tokens; 0 for no forward."""
         return _extend(self.draft_table, n)
+
+    def draft_context(self, n: int) -> float:
+        """Seconds the draft adds to a forward to take in n context tokens (a first draft step's prefill)."""
+        if n <= 0:
+            return 0.0
+        if self.context_per_token_s is not None:
+            return self.context_per_token_s * n
+        return self.draft(self.batch + n) - self.draft(self.batch)
 
     def step_s(self, ks: Sequence[int], base: int | None = None) -> float:
         """Seconds of a step in which sequence i proposes ks[i] and the target is fed `base` tokens besides the drafts
@@ -92,9 +104,11 @@ class CostPrior:
     verify_per_token_s: float = 0.002
     draft_fwd_s: float = 0.020  # the draft's prior is scaled by V(1) seen / verify_base_s (OnlineCostModel)
     draft_per_token_s: float = 0.002
+    draft_context_per_token_s: float = 0.0005  # C: a context token the draft takes in (a prefill's, not a decode row's)
     weight: float = 4.0  # how many observations the draft prior is worth
     forgetting: float = 0.98  # per observation: the draft fit's memory is ~1 / (1 - forgetting) = 50 steps
-    memory: int = 20  # a verify table entry is the running mean of its last ~memory observations
+    memory: int = 20  # a verify table entry (and C) is the running mean of its last ~memory observations
+    context_min: int = 16  # a draft call with this many context tokens prices C, not D
 
     def verify(self, n: int) -> float:
         return self.verify_base_s + self.verify_per_token_s * max(n - 1, 0)
@@ -143,23 +157,42 @@ class OnlineCostModel:
         self._mean: dict[int, float] = {}  # n -> running mean seconds of a target forward over n tokens
         self._count: dict[int, int] = {}
         self._draft: _RLS | None = None  # made at the first draft step, from a prior scaled to the target's speed
+        self._context: tuple[float, int] | None = None  # (C, calls it has seen)
 
     def observe(self, verify_tokens: int, verify_s: float, draft_forwards: int, draft_rows: int,
-                draft_s: float) -> None:
+                draft_s: float, draft_context: int = 0) -> None:
         """One decode step: the target forward over verify_tokens query tokens took verify_s; the draft call ran
-        draft_forwards batched forwards over draft_rows rows in all in draft_s."""
+        draft_forwards batched forwards over draft_rows rows in all, and took in draft_context context tokens besides,
+        in draft_s."""
         if verify_tokens < 1 or not verify_s > 0:
             return
         c = self._count.get(verify_tokens, 0) + 1
         m = self._mean.get(verify_tokens, verify_s)
         self._mean[verify_tokens] = m + (verify_s - m) / min(c, self.prior.memory)
         self._count[verify_tokens] = c
-        if draft_forwards > 0:
+        p = self.prior
+        if draft_forwards > 0 and draft_context >= p.context_min:
+            # C = (the call's time beyond D) / context tokens: a plain mean where the prior counts as `weight` calls
+            d0, d1 = self._draft_fit()
+            sample = max(draft_s - d0 * draft_forwards - d1 * draft_rows, 0.0) / draft_context
+            rate, n = self._context or (self.context_per_token(), 0)
+            self._context = (rate + (sample - rate) / min(n + 1 + p.weight, p.memory), n + 1)
+        elif draft_forwards > 0:
             if self._draft is None:
-                p = self.prior
                 self._draft = _RLS(self._draft_prior(), [4.0, 16.0], p.weight, p.forgetting)
             self._draft.update([draft_forwards, draft_rows], draft_s)
         self.observed += 1
+
+    def _draft_fit(self) -> tuple[float, float]:
+        """(D0, D1): the fit, or the scaled prior before the first draft step; never negative."""
+        theta = self._draft.theta if self._draft is not None else self._draft_prior()
+        return max(float(theta[0]), 0.0), max(float(theta[1]), 0.0)
+
+    def context_per_token(self) -> float:
+        """C: the running mean, or the prior scaled like the draft's before any call with context tokens."""
+        if self._context is not None:
+            return self._context[0]
+        return self.prior.draft_context_per_token_s * self.verify(1) / self.prior.verify_base_s
 
     def _draft_prior(self) -> tuple[float, float]:
         """(D0, D1) of the prior, scaled by how fast this target is against the prior's: a draft that was never timed
@@ -190,6 +223,6 @@ class OnlineCostModel:
         b = max(batch, 1)
         n = max(max_tokens or b * 21, b + 1)
         table = np.maximum.accumulate(self.verify_table(n))
-        d0, d1 = (max(float(v), 0.0) for v in (self._draft.theta if self._draft else self._draft_prior()))
+        d0, d1 = self._draft_fit()
         drafts = tuple(d0 + d1 * i for i in range(1, n + 1))
-        return StepCosts(b, tuple(table.tolist()), drafts)
+        return StepCosts(b, tuple(table.tolist()), drafts, context_per_token_s=self.context_per_token())

@@ -131,7 +131,7 @@ class Engine:
         if not self.running or self.health["target"].down:
             return outputs
         plans = self._plan_or_fallback()
-        prefill = any(r.synced_target == 0 for r in self.running)  # a prompt is fed: not a decode step's cost
+        prefill = any(r.synced_target == 0 for r in self.running)  # a prompt is fed
         t1 = time.perf_counter()
         proposals = self._propose(plans)
         t2 = time.perf_counter()
@@ -151,7 +151,7 @@ class Engine:
                 self._failed("policy", e)
         ks = [len(v.kld) for v in verdicts]  # tokens proposed per sequence, 0 included
         emitted = [self._commit(r, v) for r, v in zip(self.running, verdicts, strict=True)]
-        self._observe_costs(pending, proposals, t2 - t1, t3 - t2, prefill)
+        self._observe_costs(pending, proposals, t2 - t1, t3 - t2)
         self.step_log.append(StepRecord(
             batch=len(verdicts), ks=ks, emitted=sum(len(o.token_ids) for o in emitted), draft_s=t2 - t1,
             target_s=t3 - t2, total_s=time.perf_counter() - t0, prefill=prefill))
@@ -161,7 +161,9 @@ class Engine:
         return outputs + emitted
 
     def _plan(self) -> dict[str, Plan]:
-        infos = [SeqInfo(r.req_id, r.params.temperature, self._max_k(r), self._pending(r)) for r in self.running]
+        # a sequence whose draft cache is empty (it never drafted, or the draft restarted) prefills it when it drafts
+        infos = [SeqInfo(r.req_id, r.params.temperature, self._max_k(r), self._pending(r), r.remaining(),
+                         r.num_tokens - 1 if r.synced_draft == 0 else 0) for r in self.running]
         costs = self.costs.estimate(len(infos), sum(i.pending + i.max_k for i in infos))
         plans = self.policy.plan(infos, costs)
         return {i.req_id: replace(p, k=min(p.k, i.max_k)) for i, p in zip(infos, plans, strict=True)}
@@ -172,15 +174,16 @@ class Engine:
         (the target's cache holds every committed token but the last: the correction or bonus token)."""
         return r.num_tokens if r.synced_target == 0 else 1
 
-    def _observe_costs(self, pending: list[int], proposals: dict[str, Proposal], draft_s: float, verify_s: float,
-                       prefill: bool) -> None:
-        """Feed one step to the cost model: the target's query tokens (a prompt's too: the table is by tokens); on a
-        decode step also the draft's forwards (its levels) and rows over them (one per drafted token; a call that
-        only caught caches up is one forward of its rows)."""
+    def _observe_costs(self, pending: list[int], proposals: dict[str, Proposal], draft_s: float,
+                       verify_s: float) -> None:
+        """Feed one step to the cost model: the target's query tokens (a prompt's too: the table is by tokens); the
+        draft's forwards (its levels) and rows over them (one per drafted token; a call that only caught caches up is
+        one forward of its rows) and the context tokens it took in besides (a prefill's, which the model prices
+        apart)."""
         proposed = [len(p.tokens) for p in proposals.values()]
         forwards, rows = (max(proposed), sum(proposed)) if proposed else (int(self._draft_rows > 0),
                                                                            self._draft_rows)
-        self.costs.observe(sum(pending) + sum(proposed), verify_s, 0 if prefill else forwards, rows, draft_s)
+        self.costs.observe(sum(pending) + sum(proposed), verify_s, forwards, rows, draft_s, self._draft_context)
 
     def _max_k(self, r: Request) -> int:
         """Ceiling on k: no draft, speculation off, global and per-request max SL, tokens left to generate."""
@@ -191,7 +194,7 @@ class Engine:
         return max(0, min(self.config.max_sl, per_request, r.remaining() - 1))
 
     def _propose(self, plans: dict[str, Plan]) -> dict[str, Proposal]:
-        self._draft_rows = 0  # rows of the draft call this step (for the cost model)
+        self._draft_rows = self._draft_context = 0  # rows and context tokens of the draft call (for the cost model)
         if self.draft is None or self.health["draft"].down:
             return {}
         tasks, reqs = [], []
@@ -209,6 +212,9 @@ class Engine:
                 tasks.append(DraftTask(r.slot, r.tokens[r.synced_draft:], plan.k, plan.min_confidence, plan.p_next,
                                        plan.accept_model))
                 reqs.append(r)
+                # context tokens: a prefill's or a catch-up's (a drafting sequence's accepted tokens are cached)
+                if r.synced_draft == 0 or plan.k == 0:
+                    self._draft_context += max(lag - 1, 0)
                 r.synced_draft = r.num_tokens
         if not tasks:
             return {}

@@ -37,6 +37,8 @@ METRICS: list[tuple[str, str, str, tuple[str, ...], list[float] | None]] = [
     ("dsde_cost_verify_per_token_seconds", "gauge", "Step-cost model: added per draft token verified", (), None),
     ("dsde_cost_draft_forward_seconds", "gauge", "Step-cost model: one batched draft forward", (), None),
     ("dsde_cost_draft_per_token_seconds", "gauge", "Step-cost model: added per draft token proposed", (), None),
+    ("dsde_cost_draft_context_per_token_seconds", "gauge",
+     "Step-cost model: added per context token the draft takes in (a first draft step's prefill)", (), None),
     ("dsde_prompt_tokens", "counter", "Prompt tokens of admitted requests", (), None),
     ("dsde_generation_tokens", "counter", "Tokens generated", (), None),
     ("dsde_spec_decode_num_drafts", "counter", "Sequence-steps that proposed at least one draft token", (), None),
@@ -142,6 +144,7 @@ class ServiceMetrics:
         self._set("dsde_cost_verify_per_token_seconds", costs.verify_per_token_s)
         self._set("dsde_cost_draft_forward_seconds", costs.draft_fwd_s)
         self._set("dsde_cost_draft_per_token_seconds", costs.draft_per_token_s)
+        self._set("dsde_cost_draft_context_per_token_seconds", costs.draft_context(1))
 
     def on_plan(self, plans: Sequence[Plan]) -> None:
         sl = self.m["dsde_sl_chosen"]

@@ -27,8 +27,9 @@ def _costs(batch: int = 1, verify=lambda n: 0.14 + 0.0005 * n, draft=lambda n: 0
                      padded)
 
 
-def _brute(stop: DraftStop, reach, pbar, room, drafted, lam) -> float:
+def _brute(stop: DraftStop, reach, pbar, room, drafted, lam, fixed=None) -> float:
     """max over (n, h) of the top-n rows' gain over h levels - lam * seconds, by explicit loops."""
+    fixed = fixed or [0.0] * len(reach)
     order = sorted(range(len(reach)), key=lambda i: -reach[i] * pbar[i])
     best = -math.inf
     for n in range(1, len(reach) + 1):
@@ -38,7 +39,7 @@ def _brute(stop: DraftStop, reach, pbar, room, drafted, lam) -> float:
             draft = sum(stop.costs.draft(sum(room[i] >= lv for i in rows)) for lv in range(1, h + 1))
             t0 = stop.verify_base + drafted
             verify = stop.costs.verify(t0 + sum(min(h, room[i]) for i in rows)) - stop.costs.verify(t0)
-            best = max(best, gain - lam * (draft + verify))
+            best = max(best, gain - lam * (draft + verify + sum(fixed[i] for i in rows)))
     return best
 
 
@@ -51,10 +52,11 @@ def test_stop_rule_finds_the_brute_force_optimum(seed: int) -> None:
     stop = DraftStop(costs, b, float(rng.uniform(5, 60)))
     reach, pbar = rng.uniform(0.05, 1, b).tolist(), rng.uniform(0.3, 0.99, b).tolist()
     room, drafted = rng.integers(1, 7, b).tolist(), int(rng.integers(0, 4))
-    n, net, gain, seconds = stop.best(reach, pbar, room, drafted, stop.goodput)
-    assert net == pytest.approx(_brute(stop, reach, pbar, room, drafted, stop.goodput), abs=1e-12)
+    fixed = rng.uniform(0, 0.05, b).tolist() if seed % 2 else None  # prefill shares
+    n, net, gain, seconds = stop.best(reach, pbar, room, drafted, stop.goodput, fixed=fixed)
+    assert net == pytest.approx(_brute(stop, reach, pbar, room, drafted, stop.goodput, fixed), abs=1e-12)
     assert net == pytest.approx(gain - stop.goodput * seconds)
-    go = stop.next_level(reach, pbar, room, drafted)
+    go = stop.next_level(reach, pbar, room, drafted, fixed=fixed)
     assert sum(go) == (n if net > 0 else 0)
     if net > 0:  # the rows that go on are the best ones by reach * pbar
         kept = [reach[i] * pbar[i] for i in range(b) if go[i]]
@@ -150,9 +152,29 @@ def test_policy_switches_off_probes_on_a_shared_schedule_and_comes_back() -> Non
     assert pol.stats("r")["on"] == 1.0
 
 
+def test_a_new_sequence_starts_from_what_the_earlier_drafts_saw() -> None:
+    """The pooled means a new sequence starts from follow every sequence's outcomes: after requests whose drafts
+    were all rejected, the next one does not draft its first step (a weak draft costs each new request nothing)."""
+    pol = GoodputPolicy()
+    drafted = []
+    for r in range(6):
+        seqs = [SeqInfo(f"a{r}", 0.0, 8)]
+        ks = []
+        for _ in range(12):
+            plans = pol.plan(seqs, CPU)
+            ks.append(plans[0].k)
+            _feed(pol, plans, seqs, lambda k: 0, conf=0.3)
+        pol.release(f"a{r}")
+        drafted.append(sum(k > 0 for k in ks))
+    assert drafted[0] > 0 and drafted[-1] < drafted[0]  # the prior drafts, the outcomes stop it sooner
+    plans = pol.plan([SeqInfo("b", 0.0, 8)], CPU)
+    assert plans[0].k == 0 and pol.stats("b")["p_first"] < 0.5
+
+
 def test_a_sequence_that_never_drafted_waits_longest_for_its_first_probe() -> None:
     """Where the pooled evidence says drafting does not pay, a new sequence starts off and its first probe (which
-    would also prefill the draft with its whole context) comes only after probe_max plans."""
+    would also prefill the draft with its whole context) comes only after probe_max plans, and only if it has
+    probe_max tokens left."""
     cfg = GoodputConfig(probe_every=4, probe_max=16)
     pol = GoodputPolicy(cfg)
     for r in range(30):  # earlier requests teach the pool that nothing is accepted
@@ -169,6 +191,29 @@ def test_a_sequence_that_never_drafted_waits_longest_for_its_first_probe() -> No
         _feed(pol, plans, new, lambda k: 0, conf=0.2)
     first = next(i for i, k in enumerate(ks) if k > 0)
     assert ks[0] == 0 and first >= cfg.probe_max - 1
+    # with fewer tokens left than probe_max, the prefill would not pay back: no probe at all
+    ks = []
+    for left in range(40, 0, -1):
+        short = [SeqInfo("c", 0.0, min(8, left - 1), remaining=left)]
+        plans = pol.plan(short, CPU)
+        ks.append(plans[0].k)
+        _feed(pol, plans, short, lambda k: 0, conf=0.2)
+    assert ks == [0] * 40
+
+
+def test_a_draft_prefill_is_weighed_against_the_tokens_left() -> None:
+    """A sequence whose draft cache is empty pays its context's prefill once it drafts: it drafts with many tokens
+    left to spread that over, not with a few (a sequence whose draft is in step drafts either way)."""
+    costs = StepCosts(1, CPU.verify_table, CPU.draft_table, context_per_token_s=0.001)
+    assert costs.draft_context(500) == pytest.approx(0.5) and costs.draft_context(0) == 0.0
+
+    def first_k(lag: int, remaining: int) -> int:
+        return GoodputPolicy().plan([SeqInfo("a", 0.0, 8, remaining=remaining, draft_lag=lag)], costs)[0].k
+
+    assert first_k(lag=500, remaining=1000) == 8 and first_k(lag=0, remaining=20) == 8
+    assert first_k(lag=500, remaining=20) == 0
+    # without a context rate the draft table's slope prices it
+    assert CPU.draft_context(10) == pytest.approx(CPU.draft(11) - CPU.draft(1))
 
 
 def test_plans_carry_the_batch_rule_and_each_rows_model() -> None:
@@ -277,8 +322,8 @@ def test_online_cost_model_leaves_its_prior_within_tens_of_steps() -> None:
 
 
 def test_engine_feeds_its_cost_model_every_step() -> None:
-    """Every step's target forward (a prompt's too: the table is by query tokens); the draft fit only from decode
-    steps."""
+    """Every step's target forward (a prompt's too: the table is by query tokens) and draft call, with the context
+    tokens the draft took in: a first draft step's prefill prices C, not D."""
     engine = tiny_engine("static:3", batch=2)
     calls = []
     observe = engine.costs.observe
@@ -288,10 +333,29 @@ def test_engine_feeds_its_cost_model_every_step() -> None:
     engine.run()
     log = list(engine.step_log)
     assert len(calls) == len(log) == engine.costs.observed
-    assert all(c[2] == 0 for c, r in zip(calls, log, strict=True) if r.prefill)  # no draft fit from a prefill
     assert sum(c[2] > 0 for c in calls) > 0
+    # static:3 drafts in the prompts' step: the draft takes in both contexts there (prices C), later only new tokens
+    assert log[0].prefill and calls[0][5] >= 2 * 19 and all(c[5] == 0 for c in calls[1:])
+    assert engine.costs._context is not None and engine.costs._context[1] == 1
     assert max(engine.costs._mean) >= 20  # a prompt's forward is in the table
     assert engine.costs.estimate(2).verify(2) > 0
+
+
+def test_online_cost_model_prices_context_tokens_apart_from_decode_rows() -> None:
+    """A draft call that took in a prefill teaches C (its time beyond D over its context tokens), not D: decode rows at
+    5 ms and context tokens at 0.4 ms are both recovered."""
+    model = OnlineCostModel()
+    d0, d1, c = 0.03, 0.005, 0.0004
+    rng = np.random.default_rng(2)
+    for i in range(200):
+        forwards, rows = int(rng.integers(1, 6)), int(rng.integers(1, 20))
+        context = int(rng.integers(100, 800)) if i % 5 == 0 else 0
+        model.observe(2, 0.14, forwards, rows, (d0 * forwards + d1 * rows + c * context) * rng.uniform(0.98, 1.02),
+                      context)
+    est = model.estimate(1)
+    assert est.context_per_token_s == pytest.approx(c, rel=0.1)
+    assert est.draft(1) == pytest.approx(d0 + d1, rel=0.1) and est.draft(11) - est.draft(1) == pytest.approx(
+        10 * d1, rel=0.1)
 
 
 def test_an_untimed_draft_is_priced_as_a_share_of_the_target() -> None:

@@ -157,13 +157,16 @@ SPECULATIVE_DECODING: list[dict[str, Any]] = [
                        "{{model}}")], w=12, min=1),
     timeseries("Step-cost model", "The engine's online fit of a step's cost at the current batch size, what "
                "dsde-goodput plans with: verify = target forward with no draft tokens (+ per draft token), "
-               "draft = one batched draft forward (+ per draft token).", "s",
+               "draft = one batched draft forward (+ per draft token; + per context token of a first draft step's "
+               "prefill).", "s",
                [target(f"max by (model) (ray_dsde_cost_verify_seconds{{{M}}})", "verify {{model}}"),
                 target(f"max by (model) (ray_dsde_cost_draft_forward_seconds{{{M}}})", "draft forward {{model}}"),
                 target(f"max by (model) (ray_dsde_cost_verify_per_token_seconds{{{M}}})",
                        "verify per token {{model}}"),
                 target(f"max by (model) (ray_dsde_cost_draft_per_token_seconds{{{M}}})",
-                       "draft per token {{model}}")], w=12, min=0),
+                       "draft per token {{model}}"),
+                target(f"max by (model) (ray_dsde_cost_draft_context_per_token_seconds{{{M}}})",
+                       "draft per context token {{model}}")], w=12, min=0),
 ]
 
 SERVING: list[dict[str, Any]] = [

@@ -34,12 +34,21 @@ class SeqInfo:
     """Hard ceiling from the engine (remaining tokens, cache room, per-request max); the plan's k <= max_k."""
     pending: int = 1
     """Tokens the target is fed for this sequence this step besides the drafts (1 when decoding; a prompt)."""
+    remaining: int | None = None
+    """Tokens the request may still generate (max_tokens less its output so far); None: unknown."""
+    draft_lag: int = 0
+    """Context tokens the draft must take in before this sequence drafts (its whole context when the draft's cache of
+    it is empty: the engine defers a draft's prefill until the sequence drafts)."""
 
     def __post_init__(self) -> None:
         if self.max_k < 0:
             raise ConfigError(f"SeqInfo {self.req_id!r}: max_k must be >= 0, got {self.max_k}")
         if self.pending < 1:
             raise ConfigError(f"SeqInfo {self.req_id!r}: pending must be >= 1, got {self.pending}")
+        if self.remaining is not None and self.remaining < 0:
+            raise ConfigError(f"SeqInfo {self.req_id!r}: remaining must be >= 0, got {self.remaining}")
+        if self.draft_lag < 0:
+            raise ConfigError(f"SeqInfo {self.req_id!r}: draft_lag must be >= 0, got {self.draft_lag}")
         if not self.temperature >= 0:
             raise ConfigError(f"SeqInfo {self.req_id!r}: temperature must be >= 0, got {self.temperature}")
 

@@ -12,9 +12,12 @@ Four estimates, all learnt online:
    one model for greedy and one for sampled requests.
 2. Per sequence: p_first_i, the running acceptance of the first drafted token of a step, and pbar_i, the running
    mean p of its drafted tokens (a token not drafted yet). Running means: a plain mean over the sequence's first
-   steps (its start, the pooled means of all sequences, counts as one), then decay rho per step that drafted (a
-   probe counts for half: after a time off it is the freshest evidence there is).
-3. Costs: the engine's step-cost tables V and D (dsde_core.cost.StepCosts).
+   steps (its start counts as one), then decay rho per step that drafted (a probe counts for half: after a time off
+   it is the freshest evidence there is). A sequence starts from the pooled means, which follow every sequence's
+   outcomes (first token accepted; mean p) the same way, with their priors counting as pool_weight steps: behind a
+   weak draft, new requests start off.
+3. Costs: the engine's step-cost tables V and D, and C per context token the draft takes in
+   (dsde_core.cost.StepCosts).
 4. Goodput: lambda_B = rho_B * B / V(B), with rho_B this policy's running speedup over target-only decoding at
    batch B, each decode step priced by the tables it was planned with (no timing noise): a plain mean over its
    first steps, where its start counts as one, then decay 1 - speedup_rate per step. rho starts at 2: a lambda
@@ -24,15 +27,18 @@ Four estimates, all learnt online:
 
 The plan, level 0 of the stop rule: with the first token's acceptance p_first_i and pbar_i for the tokens after it,
 the batch's DraftStop picks the sequences that draft a first token (and so the number that do: none, when no
-draft pays).
+draft pays). A sequence whose draft cache is empty (lag_i context tokens: the engine defers a draft's prefill until
+the sequence drafts) also pays its prefill once it drafts; the rule charges it this step's share,
+    fixed_i = C * lag_i * (1 + e_i) / remaining_i,     e_i = p_first_i * sum_{m<k_i} pbar_i^m
+(the prefill spread over the steps its remaining tokens take while it drafts, e_i accepted tokens a step).
 The sequences picked get k = their engine ceiling, p_next = pbar_i and their acceptance model; the draft worker
 applies the same rule after every level with the confidences it sees (the SL and its cap are consequences of the
 costs). A sequence not picked drafts nothing (its draft cache still advances with the committed tokens: the
 engine's ride-along), except a probe (one speculative step) when it has been off for `probe_every` plans, the
 interval doubling up to `probe_max` while probes keep it off; probes fall on plan numbers divisible by the interval
 (one counter for the batch), so they share draft forwards. A sequence that has never drafted waits `probe_max`
-plans: its first draft step also prefills the draft with its whole context (the engine defers that until it
-drafts), and its estimates, the pooled ones, are fresh.
+plans, and probes only with probe_max tokens left: its first draft step also prefills the draft with its whole
+context, which fewer tokens will not recoup.
 """
 
 from __future__ import annotations
@@ -58,7 +64,8 @@ class GoodputConfig:
     prior_variance: float = 1.0  # of each weight before any judged token
     forgetting: float = 0.995  # per judged token: the acceptance model's memory is ~200 tokens
     rho: float = 0.9  # per drafting step, of a sequence's p_first and pbar (memory ~10 steps)
-    pool_rate: float = 0.05  # per drafting step, of the pooled running means new sequences start from
+    pool_rate: float = 0.05  # per drafting step of any sequence, of the pooled means new sequences start from
+    pool_weight: float = 4.0  # the pooled means' priors count as this many drafting steps
     prior_first: float = 0.7  # pooled p_first and pbar before any step
     prior_pbar: float = 0.7
     probe_every: int = 8
@@ -77,6 +84,7 @@ class GoodputConfig:
             (0.0 < self.forgetting <= 1.0, f"forgetting must be in (0, 1], got {self.forgetting}"),
             (0.0 <= self.rho < 1.0, f"rho must be in [0, 1), got {self.rho}"),
             (0.0 < self.pool_rate <= 1.0, f"pool_rate must be in (0, 1], got {self.pool_rate}"),
+            (self.pool_weight > 0, f"pool_weight must be > 0, got {self.pool_weight}"),
             (0.0 < self.prior_pbar < 1.0, f"prior_pbar must be in (0, 1), got {self.prior_pbar}"),
             (0.0 < self.prior_first < 1.0, f"prior_first must be in (0, 1), got {self.prior_first}"),
             (self.window >= 2, f"window must be >= 2, got {self.window}"),
@@ -175,6 +183,7 @@ class GoodputPolicy(SpeculationPolicy):
         self._models = {g: AcceptanceModel(cfg.prior_weights, cfg.prior_variance, cfg.forgetting)
                         for g in (True, False)}
         self._pool_first, self._pool_pbar = cfg.prior_first, cfg.prior_pbar
+        self._pooled = 0  # drafting steps the pooled means have seen
         self._default_costs = OnlineCostModel()
         self._last: tuple[StepCosts, int] | None = None  # the costs and verify base the last plan used
         self._speedup = SpeedupByBatch(cfg.speedup_rate, cfg.speedup_start)
@@ -201,9 +210,10 @@ class GoodputPolicy(SpeculationPolicy):
         rows = [i for i, k in enumerate(ks) if k > 0]
         reach = [states[i].p_first / max(states[i].pbar, 1e-6) for i in rows]
         pbar, room = [states[i].pbar for i in rows], [ks[i] for i in rows]
+        fixed = [self._prefill_share(seqs[i], states[i], ks[i], costs) for i in rows]
         stop = DraftStop(costs, base, self._speedup.get(len(seqs)) * len(seqs) / costs.verify(len(seqs)))
-        stop = replace(stop, goodput=stop.step_goodput(reach, pbar, room, len(seqs)))
-        go = stop.next_level(reach, pbar, room, 0)
+        stop = replace(stop, goodput=stop.step_goodput(reach, pbar, room, len(seqs), fixed=fixed))
+        go = stop.next_level(reach, pbar, room, 0, fixed=fixed)
         chosen = {i for i, g in zip(rows, go, strict=True) if g}
         plans = []
         for i, (st, k) in enumerate(zip(states, ks, strict=True)):
@@ -215,8 +225,10 @@ class GoodputPolicy(SpeculationPolicy):
                     # also prefills the draft with its whole context, and it starts from fresh pooled estimates
                     st.on, st.off_since = False, self._plans
                     st.probe_every = cfg.probe_every if st.steps else cfg.probe_max
-                # probes fall on plan numbers divisible by the interval, so that the batch's probes share forwards
-                st.probing = self._plans - st.off_since >= st.probe_every and self._plans % st.probe_every == 0
+                # probes fall on plan numbers divisible by the interval, so that the batch's probes share forwards; a
+                # sequence that never drafted probes only with at least probe_max tokens left to recoup its prefill
+                st.probing = (self._plans - st.off_since >= st.probe_every and self._plans % st.probe_every == 0
+                              and (st.steps > 0 or seqs[i].remaining is None or seqs[i].remaining >= cfg.probe_max))
                 if st.probing:
                     st.off_since = self._plans
                     st.probe_every = min(2 * st.probe_every, cfg.probe_max)
@@ -239,13 +251,17 @@ class GoodputPolicy(SpeculationPolicy):
             # counts for half: after a time off it is the freshest evidence there is
             keep = min(0.5 if st.probing else cfg.rho, st.steps / (st.steps + 1))
             st.p_first = keep * st.p_first + (1 - keep) * float(fb.accepted > 0)
-            self._pool_first += cfg.pool_rate * (st.p_first - self._pool_first)
+            # the pooled means follow every sequence's outcomes: a plain mean where the priors count as pool_weight
+            # steps, then rate pool_rate
+            self._pooled += 1
+            pool = max(cfg.pool_rate, 1 / (self._pooled + cfg.pool_weight))
+            self._pool_first += pool * (float(fb.accepted > 0) - self._pool_first)
             model = self._models[st.greedy]
             if fb.draft_conf:
                 a, s = model.row_model(st.x)
-                p = [sigmoid(a + s * logit(c)) for c in fb.draft_conf]
-                st.pbar = keep * st.pbar + (1 - keep) * float(np.mean(p))
-                self._pool_pbar += cfg.pool_rate * (st.pbar - self._pool_pbar)
+                p = float(np.mean([sigmoid(a + s * logit(c)) for c in fb.draft_conf]))
+                st.pbar = keep * st.pbar + (1 - keep) * p
+                self._pool_pbar += pool * (p - self._pool_pbar)
                 for j in range(min(fb.accepted + 1, fb.proposed)):  # the accepted ones and the first rejected
                     model.update(fb.draft_conf[j], st.x, j < fb.accepted)
             self._update_instability(st, fb)
@@ -265,6 +281,16 @@ class GoodputPolicy(SpeculationPolicy):
                 "w_conf": float(w[1]), "w_instability": float(w[2])}
 
     # ---- internals -----------------------------------------------------------------------------------------
+    @staticmethod
+    def _prefill_share(seq: SeqInfo, st: _State, k: int, costs: StepCosts) -> float:
+        """This step's share of the draft prefill a sequence with an empty draft cache pays when it drafts: C * lag
+        spread over the steps its remaining tokens take while it drafts, (remaining / (1 + e)) with
+        e = p_first * sum_{m<k} pbar^m its expected accepted tokens per step."""
+        if seq.draft_lag == 0 or seq.remaining is None:
+            return 0.0
+        accepted = st.p_first * sum(st.pbar ** m for m in range(k))
+        return costs.draft_context(seq.draft_lag) * (1 + accepted) / max(seq.remaining, 1)
+
     def _observe_speedup(self, feedback: Sequence[StepFeedback]) -> None:
         """rho_B: this policy's decode steps at batch B against target-only decoding, each priced by the costs it was
         planned with (no timing noise): (emitted / step_s) / (B / V(B))."""

@@ -18,6 +18,8 @@ sequence of the batch adds a token per level). With lambda the batch's goodput (
 drafts one more level, with the top n* rows, iff
     max_{n, h} [ sum_{i in top n} gain_i(h) - lambda * time(n, h) ] > 0
 (Dinkelbach: an action pays when it earns more than its time would earn at the rate the batch already reaches).
+At level 0 a row whose draft cache is empty also pays fixed_i once it drafts at all: its prefill, amortised (the
+policy's share of it for this step; goodput.py).
 Looking h levels ahead, not one, keeps the rule right where V jumps (a step crossing 16 verified tokens on a CPU)
 and where the next level's draft forward is dearer than the ones after it.
 """
@@ -58,12 +60,12 @@ class DraftStop:
         return sigmoid(model[0] + model[1] * logit(confidence))
 
     def next_level(self, reach: Sequence[float], pbar: Sequence[float], room: Sequence[int], drafted: int,
-                   level: int = 0) -> list[bool]:
+                   level: int = 0, fixed: Sequence[float] | None = None) -> list[bool]:
         """Which rows draft one more token. reach[i] = pi_ij, pbar[i] = expected p of an undrafted token, room[i] =
         tokens row i may still draft (> 0), drafted = draft tokens proposed so far this step (all rows), level = draft
-        levels so far (the padded verification's width)."""
+        levels so far (the padded verification's width), fixed[i] = seconds row i costs if it drafts at all."""
         go = np.zeros(len(reach), dtype=bool)
-        n, net, _, _ = self.best(reach, pbar, room, drafted, self.goodput, level)
+        n, net, _, _ = self.best(reach, pbar, room, drafted, self.goodput, level, fixed)
         if n > 0 and net > 0:
             go[self._order(reach, pbar)[:n]] = True
         return go.tolist()
@@ -74,7 +76,7 @@ class DraftStop:
         return np.argsort(-(np.asarray(reach, dtype=np.float64) * np.asarray(pbar, dtype=np.float64)), kind="stable")
 
     def best(self, reach: Sequence[float], pbar: Sequence[float], room: Sequence[int], drafted: int,
-             goodput: float, level: int = 0) -> tuple[int, float, float, float]:
+             goodput: float, level: int = 0, fixed: Sequence[float] | None = None) -> tuple[int, float, float, float]:
         """(n, net, gain, seconds) of the best continuation: the top n rows drafting h more levels, max over (n, h) of
         net = gain - goodput * seconds; n = 0 when there is no row. Padded verification (costs.padded) costs every
         sequence of the batch one token per level, whichever rows draft."""
@@ -100,18 +102,20 @@ class DraftStop:
             t0 = self.verify_base + drafted
         v_cost = np.array([self.costs.verify(t0 + a) for a in range(int(added.max()) + 1)]) - self.costs.verify(t0)
         seconds = seconds + v_cost[added]
+        if fixed is not None:  # [n, 1]: the top n rows' one-off costs
+            seconds = seconds + np.cumsum(np.asarray(fixed, dtype=np.float64)[order])[:, None]
         net = gain - goodput * seconds  # [n, H]
         i, j = np.unravel_index(np.argmax(net), net.shape)
         return int(i) + 1, float(net[i, j]), float(gain[i, j]), float(seconds[i, j])
 
     def step_goodput(self, reach: Sequence[float], pbar: Sequence[float], room: Sequence[int], rows: int,
-                     iters: int = 8) -> float:
+                     iters: int = 8, fixed: Sequence[float] | None = None) -> float:
         """The best goodput this step can reach under the model, before any token is drafted (Dinkelbach): the max
         over (n, h) of (rows + gain) / (V(T) + seconds), at least this rule's own goodput."""
         lam = self.goodput
         base_s = self.costs.verify(self.verify_base)
         for _ in range(iters):
-            _, net, gain, seconds = self.best(reach, pbar, room, 0, lam)
+            _, net, gain, seconds = self.best(reach, pbar, room, 0, lam, fixed=fixed)
             new = (rows + gain) / (base_s + seconds)
             if net <= 0 or new <= lam * (1 + 1e-6):
                 break
