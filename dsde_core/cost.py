@@ -10,10 +10,10 @@ OnlineCostModel keeps one running mean per n; an n it has not seen is priced lin
 it (optimistic just past a jump, so that n gets tried once and learnt), past them as a linear prior scaled to the
 nearest n seen, and the table is made non-decreasing. The draft's forward is only timed per call (several
 levels), so D(m) = D0 + D1 m over m rows is fitted by recursive least squares to (forwards, rows summed over them)
--> seconds, on decode steps only. A call that also took in context tokens (a sequence's first draft step prefills the
-draft with its whole context; a lagging cache catches up) prices them instead: C seconds per context token, the
-call's time beyond D over its context tokens, a running mean. A context token costs far less than a decode row (a
-prefill is one efficient GEMM), so D1 would overprice it several times over.
+-> seconds, on the calls that only drafted. A call that also took in context tokens (a sequence's first draft step
+prefills the draft with its whole context; a lagging cache catches up) prices them instead: C seconds per context
+token, the call's time beyond D over its context tokens, a running mean. A context token costs far less than a
+decode row (a prefill is one efficient GEMM), so D1 would overprice it several times over.
 """
 
 from __future__ import annotations
