@@ -192,14 +192,17 @@ class OnlineCostModel:
         """C: the running mean, or the prior scaled like the draft's before any call with context tokens."""
         if self._context is not None:
             return self._context[0]
-        return self.prior.draft_context_per_token_s * self.verify(1) / self.prior.verify_base_s
+        return self.prior.draft_context_per_token_s * self._prior_scale()
 
     def _draft_prior(self) -> tuple[float, float]:
-        """(D0, D1) of the prior, scaled by how fast this target is against the prior's: a draft that was never timed
-        is priced as the prior's share of a target forward (a tiny model's draft is cheap, a GPU's too)."""
-        p = self.prior
-        scale = self.verify(1) / p.verify_base_s
-        return p.draft_fwd_s * scale, p.draft_per_token_s * scale
+        """(D0, D1) of the prior, scaled to this target's speed."""
+        scale = self._prior_scale()
+        return self.prior.draft_fwd_s * scale, self.prior.draft_per_token_s * scale
+
+    def _prior_scale(self) -> float:
+        """How fast this target is against the prior's, V(1) seen / verify_base_s: a draft that was never timed is
+        priced as the prior's share of a target forward (a tiny model's draft is cheap, a GPU's too)."""
+        return self.verify(1) / self.prior.verify_base_s
 
     def verify_table(self, n: int) -> np.ndarray:
         """[n]: V(1..n): the running mean seen at each n, linear between the n seen, and outside them the prior scaled
