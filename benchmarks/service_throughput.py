@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import sys
 import time
 
 import httpx
 
+from dsde_bench.ports import free_port
 from dsde_core.config import EngineConfig, SamplingParams
 from dsde_core.llm import SpeculativeLLM
 
@@ -41,11 +41,6 @@ PROMPTS = [
     "Write a bash script that counts lines in every .py file of a folder.",
 ]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def load_in_process(args: argparse.Namespace, batch: int) -> SpeculativeLLM:
@@ -98,7 +93,7 @@ def through_service(prompts: list[str], args: argparse.Namespace) -> tuple[float
     from services.app import build_app
     from services.launch import quiet_serve_controller
 
-    port = _free_port()
+    port = free_port()
     quiet_serve_controller()  # as `dsde serve` does
     system_config = {} if args.worker_niceness is None else {"worker_niceness": args.worker_niceness}
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,

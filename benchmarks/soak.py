@@ -40,6 +40,8 @@ from typing import Any
 import httpx
 import psutil
 
+from dsde_bench.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 LOCUSTFILE = ROOT / "load_tests" / "locustfile.py"
@@ -83,13 +85,6 @@ class StreamingUser(HttpUser):
                 r.failure("no [DONE]")
 '''
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def session_rss(sid: int) -> dict[str, int]:
@@ -200,7 +195,7 @@ def main() -> int:
         ap.error("--warmup must be shorter than --duration")
 
     workdir = Path(tempfile.mkdtemp(prefix="dsde-soak-"))
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
     t_start = time.perf_counter()
     proc = _start_service(args, port, metrics_port, workdir)

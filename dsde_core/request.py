@@ -130,3 +130,11 @@ class Request:
 
     def remaining(self) -> int:
         return self.params.max_tokens - len(self.output_ids)
+
+    def draft_context(self, drafting: bool) -> int:
+        """Context tokens the draft takes in when it is next fed this sequence: all unsent tokens but the last (the
+        draft's first forward), except for a sequence that drafts from a warm cache, whose unsent tokens are its
+        accepted drafts (already cached). An empty cache (never drafted, or the draft restarted) means a prefill."""
+        if drafting and self.synced_draft > 0:
+            return 0
+        return max(self.num_tokens - self.synced_draft - 1, 0)

@@ -97,3 +97,15 @@ def test_config_and_bodies() -> None:
     assert b["prompt"] == "hi" and b["temperature"] == 1.0 and b["stream_options"] == {"include_usage": True}
     assert chunk_text({"choices": [{"delta": {"content": "a"}}]}) == "a"
     assert chunk_text({"choices": [{"text": "b"}]}) == "b" and chunk_text({"choices": []}) == ""
+
+
+def test_free_port_hands_out_distinct_bindable_ports_outside_the_ephemeral_range() -> None:
+    import socket
+
+    from dsde_bench.ports import _ephemeral_low, free_port
+
+    ports = [free_port() for _ in range(20)]
+    assert len(set(ports)) == 20
+    assert all(20000 <= p < max(_ephemeral_low(), 22000) for p in ports)
+    with socket.socket() as s:  # the port is free: a server can bind it
+        s.bind(("127.0.0.1", ports[0]))

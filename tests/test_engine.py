@@ -176,3 +176,26 @@ def test_adaedl_lossless_and_shortens_drafts(reference: list[list[int]]) -> None
     reqs = _run(engine, PROMPTS, MAX_TOKENS)
     assert [r.output_ids for r in reqs] == reference
     assert any(0 < k < 10 for r in reqs for k in r.stats.sl[:-1])
+
+
+def test_the_policy_is_told_what_the_draft_has_not_seen() -> None:
+    """SeqInfo.draft_lag: a sequence whose draft cache is empty would prefill its whole context (all tokens but the
+    last) once it drafts; one that has drafted is in step with its draft (0). The draft's prefill is deferred to
+    the first step that drafts, so a sequence planned target-only keeps its lag."""
+    seen: list[list[tuple[int, int]]] = []  # per plan: (draft_lag, context tokens) per sequence
+
+    class Alternate(StaticPolicy):
+        def plan(self, seqs, costs=None):
+            seen.append([s.draft_lag for s in seqs])
+            return [Plan(k=2 if len(seen) % 3 == 0 and s.max_k else 0) for s in seqs]
+
+    engine = tiny_engine(Alternate(), batch=2)
+    prompts = random_prompts(2, seed=5, min_len=6, max_len=12)
+    reqs = _add(engine, prompts, [12, 12])
+    lens = []
+    while engine.has_unfinished():
+        lens.append([r.num_tokens for r in reqs])
+        engine.step()
+    assert seen[0] == [len(p) - 1 for p in prompts] and seen[1] == [n - 1 for n in lens[1]]
+    assert seen[2] == [n - 1 for n in lens[2]]  # the third plan drafts: the draft takes the contexts in
+    assert all(lag == 0 for plan in seen[3:] for lag in plan)  # from then on the draft cache is warm

@@ -171,10 +171,11 @@ def test_a_new_sequence_starts_from_what_the_earlier_drafts_saw() -> None:
     assert plans[0].k == 0 and pol.stats("b")["p_first"] < 0.5
 
 
-def test_a_sequence_that_never_drafted_waits_longest_for_its_first_probe() -> None:
-    """Where the pooled evidence says drafting does not pay, a new sequence starts off and its first probe (which
-    would also prefill the draft with its whole context) comes only after probe_max plans, and only if it has
-    probe_max tokens left."""
+def test_a_sequence_with_a_cold_draft_cache_waits_longest_for_its_first_probe() -> None:
+    """Where the pooled evidence says drafting does not pay, a new sequence starts off. If its draft cache is empty
+    (the engine says so: draft_lag > 0), its first probe would also prefill the draft with its whole context: that
+    probe comes only after probe_max plans, and only if it has probe_max tokens left. A sequence whose draft cache is
+    warm probes after probe_every plans."""
     cfg = GoodputConfig(probe_every=4, probe_max=16)
     pol = GoodputPolicy(cfg)
     for r in range(30):  # earlier requests teach the pool that nothing is accepted
@@ -183,22 +184,27 @@ def test_a_sequence_that_never_drafted_waits_longest_for_its_first_probe() -> No
             plans = pol.plan(old, CPU)
             _feed(pol, plans, old, lambda k: 0, conf=0.2)
         pol.release(f"a{r}")
-    new = [SeqInfo("b", 0.0, 8)]
+
+    def first_probe(seq: SeqInfo) -> int:
+        ks = []
+        for _ in range(40):
+            plans = pol.plan([seq], CPU)
+            ks.append(plans[0].k)
+            _feed(pol, plans, [seq], lambda k: 0, conf=0.2)
+        pol.release(seq.req_id)
+        assert ks[0] == 0
+        return next(i for i, k in enumerate(ks) if k > 0)
+
+    assert first_probe(SeqInfo("cold", 0.0, 8, draft_lag=100)) >= cfg.probe_max - 1
+    assert first_probe(SeqInfo("warm", 0.0, 8, draft_lag=0)) < cfg.probe_max - 1
+    # with fewer tokens left than probe_max once its probe is due, the prefill would not pay back: no probe at all
     ks = []
-    for _ in range(40):
-        plans = pol.plan(new, CPU)
-        ks.append(plans[0].k)
-        _feed(pol, plans, new, lambda k: 0, conf=0.2)
-    first = next(i for i, k in enumerate(ks) if k > 0)
-    assert ks[0] == 0 and first >= cfg.probe_max - 1
-    # with fewer tokens left than probe_max, the prefill would not pay back: no probe at all
-    ks = []
-    for left in range(40, 0, -1):
-        short = [SeqInfo("c", 0.0, min(8, left - 1), remaining=left)]
+    for left in range(30, 0, -1):
+        short = [SeqInfo("c", 0.0, min(8, left - 1), remaining=left, draft_lag=100)]
         plans = pol.plan(short, CPU)
         ks.append(plans[0].k)
         _feed(pol, plans, short, lambda k: 0, conf=0.2)
-    assert ks == [0] * 40
+    assert ks == [0] * 30
 
 
 def test_a_draft_prefill_is_weighed_against_the_tokens_left() -> None:

@@ -36,9 +36,9 @@ applies the same rule after every level with the confidences it sees (the SL and
 costs). A sequence not picked drafts nothing (its draft cache still advances with the committed tokens: the
 engine's ride-along), except a probe (one speculative step) when it has been off for `probe_every` plans, the
 interval doubling up to `probe_max` while probes keep it off; probes fall on plan numbers divisible by the interval
-(one counter for the batch), so they share draft forwards. A sequence that has never drafted waits `probe_max`
-plans, and probes only with probe_max tokens left: its first draft step also prefills the draft with its whole
-context, which fewer tokens will not recoup.
+(one counter for the batch), so they share draft forwards. A sequence whose draft cache is empty (draft_lag > 0: it
+never drafted, or the draft restarted) waits `probe_max` plans, and probes only with probe_max tokens left: its
+first draft step also prefills the draft with its whole context, which fewer tokens will not recoup.
 """
 
 from __future__ import annotations
@@ -221,14 +221,15 @@ class GoodputPolicy(SpeculationPolicy):
             if i in chosen:
                 st.on, st.probe_every = True, cfg.probe_every
             elif k > 0:
-                if st.on:  # a sequence that never drafted probes only every probe_max plans: its first draft step
-                    # also prefills the draft with its whole context, and it starts from fresh pooled estimates
+                cold = seqs[i].draft_lag > 0  # the draft cache is empty (never drafted, or the draft restarted)
+                if st.on:  # a cold sequence probes only every probe_max plans: its first draft step also prefills
+                    # the draft with its whole context
                     st.on, st.off_since = False, self._plans
-                    st.probe_every = cfg.probe_every if st.steps else cfg.probe_max
+                    st.probe_every = cfg.probe_max if cold else cfg.probe_every
                 # probes fall on plan numbers divisible by the interval, so that the batch's probes share forwards; a
-                # sequence that never drafted probes only with at least probe_max tokens left to recoup its prefill
+                # cold sequence probes only with at least probe_max tokens left to recoup its prefill
                 st.probing = (self._plans - st.off_since >= st.probe_every and self._plans % st.probe_every == 0
-                              and (st.steps > 0 or seqs[i].remaining is None or seqs[i].remaining >= cfg.probe_max))
+                              and (not cold or seqs[i].remaining is None or seqs[i].remaining >= cfg.probe_max))
                 if st.probing:
                     st.off_since = self._plans
                     st.probe_every = min(2 * st.probe_every, cfg.probe_max)
