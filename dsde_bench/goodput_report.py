@@ -177,6 +177,9 @@ def section(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
                  f"{'/'.join(str(w) for w in warm)} other prompts of the workload, untimed (`--warm-requests`: a "
                  "server's steady state; no other policy keeps state across requests, and the warm-up prompts are "
                  "never the cell's own)." if any(warm) else "Every cell starts cold (no `--warm-requests`).")
+    reps = {n: d.get("config", {}).get("repeats", 1) for n, d in docs.items()}
+    warm_text += " " + ("; ".join(f"{n}: median of {r} runs per cell (round-robin over the policies)" if r > 1 else
+                                  f"{n}: one run per cell" for n, r in reps.items()) + ".")
     return f"""## Cost-aware DSDE: dsde-goodput (issue 7)
 
 dsde-goodput drafts each token while it is worth more than its time at the batch's goodput, judged from the draft's

@@ -77,7 +77,7 @@ class GridConfig:
     watch: int = 3  # sequences per cell whose per-step SL / KLD / WVIR series are kept
     warmup: bool = True
     ignore_eos: bool = False
-    repeats: int = 1  # runs per cell; the fastest is kept (on a shared machine other work only adds time)
+    repeats: int = 1  # runs per cell, round-robin over the policies; the median run is kept
     warm_requests: int = 0  # a policy that learns across requests first serves this many other prompts (untimed)
 
     def __post_init__(self) -> None:
@@ -193,6 +193,12 @@ def run_cell(engine: Engine, policy: str, prompts: Sequence[Sequence[int]], prom
     return run
 
 
+def median_run(runs: Sequence[tuple[CellRun, Any]]) -> tuple[CellRun, Any]:
+    """The run of median wall time (of an even count, the faster of the middle two)."""
+    ranked = sorted(runs, key=lambda r: r[0].wall_s)
+    return ranked[(len(ranked) - 1) // 2]
+
+
 def _unique_ids(prompts: Sequence[Prompt]) -> list[str]:
     seen: dict[str, int] = {}
     out = []
@@ -253,20 +259,21 @@ def run_grid(backend: Backend, cfg: GridConfig, print_fn: Callable[[str], None] 
                 len(warm_prompts))], sampling_params(len(warm_prompts), cfg.max_tokens, temp,
                                                      cfg.seed + WARM_SEED_OFFSET, cfg.ignore_eos))
             for bs in cfg.batch_sizes:
-                # repeats run round-robin over the policies, and each keeps its fastest run: a burst of other
-                # work on a shared machine then costs every policy a round instead of biasing one of them
-                best: dict[str, tuple[CellRun, list[float | None]]] = {}
+                # repeats run round-robin over the policies, and each keeps its median run: a burst of other work
+                # on a shared machine then costs every policy a round instead of biasing one of them, and a policy
+                # whose schedule varies from run to run (an online cost model) is not credited with its luckiest
+                runs: dict[str, list[tuple[CellRun, list[float | None]]]] = {}
                 group: list[dict[str, Any]] = []
                 for rep in range(cfg.repeats):
                     for pol in policies:
                         load0 = _loadavg()
                         run = run_cell(backend.engine, pol, ids, pids, params, bs, cfg.watch, warm)
-                        if pol not in best or run.wall_s < best[pol][0].wall_s:
-                            best[pol] = (run, [load0, _loadavg()])
+                        runs.setdefault(pol, []).append((run, [load0, _loadavg()]))
                         if rep < cfg.repeats - 1:
                             continue
-                        run, load = best[pol]  # the last round: this policy's fastest run is known
-                        cell = {**_cell(w, temp, bs, pol, run), "loadavg": load, "repeats": cfg.repeats}
+                        run, load = median_run(runs[pol])  # the last round: all of this policy's runs are known
+                        cell = {**_cell(w, temp, bs, pol, run), "loadavg": load, "repeats": cfg.repeats,
+                                "walls_s": [round(r.wall_s, 4) for r, _ in runs[pol]]}
                         group.append(cell)
                         series += [{"workload": w, "temperature": temp, "batch": bs, "policy": pol, "request": rid,
                                     "steps": rows} for rid, rows in run.series.items()]

@@ -8,7 +8,7 @@ import pytest
 
 from dsde_bench import cli
 from dsde_bench.backend import tiny_backend
-from dsde_bench.runner import GridConfig, drive, format_row, run_grid, sampling_params
+from dsde_bench.runner import CellRun, GridConfig, drive, format_row, median_run, run_grid, sampling_params
 from dsde_core.config import SamplingParams
 from dsde_core.errors import ConfigError
 from dsde_core.policies import make_policy
@@ -155,12 +155,19 @@ def test_cli_reports_a_missing_data_package(monkeypatch, tmp_path, capsys) -> No
 
 
 @needs_data
-def test_repeats_keep_the_fastest_run(backend) -> None:
+def test_repeats_keep_the_median_run(backend) -> None:
     cfg = GridConfig(workloads=("code",), policies=("off", "static:2"), batch_sizes=(1,), num_prompts=1,
-                     max_tokens=4, anchor=(), warmup=False, repeats=2)
+                     max_tokens=4, anchor=(), warmup=False, repeats=3)
     doc = run_grid(backend, cfg, print_fn=lambda s: None, progress=False)
     cells = [c for c in doc["cells"] if c["policy"] != "static-opt"]
     assert [c["policy"] for c in cells] == ["off", "static:2"]
-    assert all(c["repeats"] == 2 and len(c["loadavg"]) == 2 for c in cells)
+    assert all(c["repeats"] == 3 and len(c["loadavg"]) == 2 and len(c["walls_s"]) == 3 for c in cells)
+    for c in cells:  # the cell's figures are its median run's
+        assert c["metrics"]["wall_s"] == pytest.approx(sorted(c["walls_s"])[1], abs=1e-3)
+
+
+def test_median_run_of_an_even_count_is_the_faster_middle_one() -> None:
+    runs = [(CellRun([], [], w), w) for w in (3.0, 1.0, 4.0, 2.0)]
+    assert median_run(runs)[1] == 2.0 and median_run(runs[:3])[1] == 3.0 and median_run(runs[:1])[1] == 3.0
     with pytest.raises(ConfigError, match="repeats"):
         GridConfig(repeats=0)
