@@ -42,7 +42,6 @@ PROMPTS = [
 ]
 
 
-
 def load_in_process(args: argparse.Namespace, batch: int) -> SpeculativeLLM:
     config = EngineConfig(max_batch_size=batch, dtype=args.dtype, num_threads=args.threads)
     llm = SpeculativeLLM.load(config=config, policy=args.policy)

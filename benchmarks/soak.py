@@ -86,7 +86,6 @@ class StreamingUser(HttpUser):
 '''
 
 
-
 def session_rss(sid: int) -> dict[str, int]:
     """RSS in bytes of every live process of session `sid`, keyed 'pid name'."""
     out = {}
