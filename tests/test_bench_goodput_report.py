@@ -41,6 +41,15 @@ def test_mixed_must_beat_static_opt_and_dsde_strictly() -> None:
     assert goodput_report.targets({"goodput": _doc(cells)})[0][2] is True
 
 
+def test_throughput_targets_compare_with_the_static_k_of_the_best_tokens_per_second() -> None:
+    """Static-opt is picked by mean latency; a throughput target is held against the best static k by tokens/s."""
+    cells = [_cell("code", 4, "off", 10.0), _cell("code", 4, "static:2", 13.0), _cell("code", 4, "static:3", 12.0),
+             _cell("code", 4, "static-opt", 12.0, static_opt_k=3), _cell("code", 4, "dsde", 11.0),
+             _cell("code", 4, "dsde-goodput", 12.5)]
+    [(_, figure, ok)] = goodput_report.targets({"bench": _doc(cells)})
+    assert ok is False and "0.962x Static-opt by tokens/s (static:2)" in figure
+
+
 def test_collapse_with_batch_size_is_caught() -> None:
     cells = [_cell("mixed", b, "dsde-goodput", v) for b, v in ((1, 10.0), (4, 20.0), (16, 17.0))]
     rows = [t for t in goodput_report.targets({"goodput_batch": _doc(cells)}) if t[0].startswith("no collapse")]
