@@ -182,7 +182,7 @@ def test_the_policy_is_told_what_the_draft_has_not_seen() -> None:
     """SeqInfo.draft_lag: a sequence whose draft cache is empty would prefill its whole context (all tokens but the
     last) once it drafts; one that has drafted is in step with its draft (0). The draft's prefill is deferred to
     the first step that drafts, so a sequence planned target-only keeps its lag."""
-    seen: list[list[tuple[int, int]]] = []  # per plan: (draft_lag, context tokens) per sequence
+    seen: list[list[int]] = []  # per plan: each sequence's draft_lag
 
     class Alternate(StaticPolicy):
         def plan(self, seqs, costs=None):
