@@ -142,8 +142,8 @@ def test_policy_switches_off_probes_on_a_shared_schedule_and_comes_back() -> Non
     assert len(off) >= 50  # then it switches off
     probes = [i for i in range(off[0], 60) if ks[i] > 0]
     assert probes and all((i + 1) % cfg.probe_every == 0 for i in probes)  # on plan numbers divisible by 4
-    gaps = np.diff(probes).tolist()
-    assert gaps == sorted(gaps) and gaps[-1] <= cfg.probe_max  # a growing interval
+    gaps = np.diff(probes).tolist()  # a growing interval (a probe waits for the next plan number it divides)
+    assert gaps == sorted(gaps) and gaps[0] >= cfg.probe_every and gaps[-1] < 2 * cfg.probe_max
     for _ in range(40):  # now everything is accepted: a probe sees it and speculation comes back
         plans = pol.plan(seqs, CPU)
         _feed(pol, plans, seqs, lambda k: k, conf=0.99)
@@ -207,6 +207,18 @@ def test_a_sequence_with_a_cold_draft_cache_waits_longest_for_its_first_probe() 
     assert ks == [0] * 30
 
 
+def _with_evidence(costs: StepCosts) -> GoodputPolicy:
+    """A policy whose pool has seen 8 drafting steps of an earlier request: its first token was accepted every
+    other step (the pool's priors then weigh half)."""
+    pol, seqs = GoodputPolicy(), [SeqInfo("earlier", 0.0, 8)]
+    for step in range(8):
+        plans = pol.plan(seqs, costs)
+        assert plans[0].k > 0
+        _feed(pol, plans, seqs, lambda k, step=step: (4, 0, 2, 0)[step % 4], conf=0.7)
+    pol.release("earlier")
+    return pol
+
+
 def test_a_draft_prefill_is_weighed_against_the_tokens_left() -> None:
     """A sequence whose draft cache is empty pays its context's prefill once it drafts: it drafts with many tokens
     left to spread that over, not with a few (a sequence whose draft is in step drafts either way)."""
@@ -214,12 +226,29 @@ def test_a_draft_prefill_is_weighed_against_the_tokens_left() -> None:
     assert costs.draft_context(500) == pytest.approx(0.5) and costs.draft_context(0) == 0.0
 
     def first_k(lag: int, remaining: int) -> int:
-        return GoodputPolicy().plan([SeqInfo("a", 0.0, 8, remaining=remaining, draft_lag=lag)], costs)[0].k
+        return _with_evidence(costs).plan([SeqInfo("a", 0.0, 8, remaining=remaining, draft_lag=lag)], costs)[0].k
 
     assert first_k(lag=500, remaining=1000) == 8 and first_k(lag=0, remaining=20) == 8
     assert first_k(lag=500, remaining=20) == 0
     # without a context rate the draft table's slope prices it
     assert CPU.draft_context(10) == pytest.approx(CPU.draft(11) - CPU.draft(1))
+
+
+def test_an_empty_pool_explores_with_its_cheapest_row() -> None:
+    """Before any sequence has drafted, the pool holds only its priors, and a plan where no row pays its prefill
+    would never draft, so never learn. Then one row drafts, the one whose draft prefill is cheapest; once the pool
+    holds pool_weight drafting steps, rows that do not pay stay off."""
+    cfg = GoodputConfig(probe_every=64, probe_max=64)
+    costs = StepCosts(4, CPU.verify_table, CPU.draft_table, context_per_token_s=0.001)
+    pol, lags, drafting = GoodputPolicy(cfg), [500, 300, 400, 600], []
+    for _ in range(10):  # nothing is accepted
+        seqs = [SeqInfo(f"r{i}", 0.0, 8, remaining=20, draft_lag=lag) for i, lag in enumerate(lags)]
+        plans = pol.plan(seqs, costs)
+        drafting.append([i for i, p in enumerate(plans) if p.k > 0])
+        _feed(pol, plans, seqs, lambda k: 0, conf=0.5)
+        lags = [0 if p.k > 0 else lag for p, lag in zip(plans, lags, strict=True)]  # a row that drafted is in step
+    n = int(cfg.pool_weight)
+    assert drafting[:n] == [[1]] * n and drafting[n:] == [[]] * (10 - n)  # row 1: the smallest prefill
 
 
 def test_plans_carry_the_batch_rule_and_each_rows_model() -> None:
@@ -488,3 +517,21 @@ def test_a_sequence_that_never_drafts_never_feeds_the_draft() -> None:
         engine.add_request(p, SamplingParams(max_tokens=20))
     engine.run()
     assert calls == [] and engine.costs.observed > 0
+
+
+def test_one_rejected_first_token_does_not_switch_a_new_sequence_off() -> None:
+    """A sequence's own running means start from the pooled ones, which count as start_weight of its steps: one
+    rejected first token (at T=1 a likely draw even from a good draft) moves p_first a fifth of the way to 0, and
+    the sequence goes on drafting; a run of them switches it off."""
+    def drafting_steps(start_weight: float) -> int:
+        pol, seqs, ks = GoodputPolicy(GoodputConfig(start_weight=start_weight)), [SeqInfo("s", 1.0, 8)], []
+        for _ in range(12):
+            plans = pol.plan(seqs, CPU)
+            ks.append(plans[0].k)
+            _feed(pol, plans, seqs, lambda k: 0, conf=0.8)
+            if len(ks) == 1:
+                assert pol.stats("s")["p_first"] == pytest.approx(0.7 * start_weight / (start_weight + 1))
+        assert ks[-1] == 0
+        return ks.index(0)
+
+    assert drafting_steps(GoodputConfig().start_weight) > drafting_steps(1.0) >= 2

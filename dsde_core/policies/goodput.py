@@ -12,8 +12,9 @@ Four estimates, all learnt online:
    one model for greedy and one for sampled requests.
 2. Per sequence: p_first_i, the running acceptance of the first drafted token of a step, and pbar_i, the running
    mean p of its drafted tokens (a token not drafted yet). Running means: a plain mean over the sequence's first
-   steps (its start counts as one), then decay rho per step that drafted (a probe counts for half: after a time off
-   it is the freshest evidence there is). A sequence starts from the pooled means, which follow every sequence's
+   steps (its start counts as start_weight of them: one rejected token, a likely draw at T=1, must not switch a
+   good draft off), then decay rho per step that drafted (a probe counts for half: after a time off it is the
+   freshest evidence there is). A sequence starts from the pooled means, which follow every sequence's
    outcomes (first token accepted; mean p) the same way, with their priors counting as pool_weight steps: behind a
    weak draft, new requests start off.
 3. Costs: the engine's step-cost tables V and D, and C per context token the draft takes in
@@ -27,7 +28,9 @@ Four estimates, all learnt online:
 
 The plan, level 0 of the stop rule: with the first token's acceptance p_first_i and pbar_i for the tokens after it,
 the batch's DraftStop picks the sequences that draft a first token (and so the number that do: none, when no
-draft pays). A sequence whose draft cache is empty (lag_i context tokens: the engine defers a draft's prefill until
+draft pays). While the pool holds fewer than pool_weight drafting steps and no row is picked, the row whose draft
+prefill is cheapest drafts anyway: on the priors alone a batch may never draft, and so never learn that it pays.
+A sequence whose draft cache is empty (lag_i context tokens: the engine defers a draft's prefill until
 the sequence drafts) also pays its prefill once it drafts; the rule charges it this step's share,
     fixed_i = C * lag_i * (1 + e_i) / remaining_i,     e_i = p_first_i * sum_{m<k_i} pbar_i^m
 (the prefill spread over the steps its remaining tokens take while it drafts, e_i accepted tokens a step).
@@ -66,6 +69,7 @@ class GoodputConfig:
     rho: float = 0.9  # per drafting step, of a sequence's p_first and pbar (memory ~10 steps)
     pool_rate: float = 0.05  # per drafting step of any sequence, of the pooled means new sequences start from
     pool_weight: float = 4.0  # the pooled means' priors count as this many drafting steps
+    start_weight: float = 4.0  # a sequence's pooled start counts as this many of its own drafting steps
     prior_first: float = 0.7  # pooled p_first and pbar before any step
     prior_pbar: float = 0.7
     probe_every: int = 8
@@ -85,6 +89,7 @@ class GoodputConfig:
             (0.0 <= self.rho < 1.0, f"rho must be in [0, 1), got {self.rho}"),
             (0.0 < self.pool_rate <= 1.0, f"pool_rate must be in (0, 1], got {self.pool_rate}"),
             (self.pool_weight > 0, f"pool_weight must be > 0, got {self.pool_weight}"),
+            (self.start_weight > 0, f"start_weight must be > 0, got {self.start_weight}"),
             (0.0 < self.prior_pbar < 1.0, f"prior_pbar must be in (0, 1), got {self.prior_pbar}"),
             (0.0 < self.prior_first < 1.0, f"prior_first must be in (0, 1), got {self.prior_first}"),
             (self.window >= 2, f"window must be >= 2, got {self.window}"),
@@ -215,6 +220,9 @@ class GoodputPolicy(SpeculationPolicy):
         stop = replace(stop, goodput=stop.step_goodput(reach, pbar, room, len(seqs), fixed=fixed))
         go = stop.next_level(reach, pbar, room, 0, fixed=fixed)
         chosen = {i for i, g in zip(rows, go, strict=True) if g}
+        if not chosen and rows and self._pooled < cfg.pool_weight:  # the pool has no evidence yet: explore with
+            # the row whose draft prefill is cheapest (what it learns serves every later request)
+            chosen = {min(rows, key=lambda i: seqs[i].draft_lag)}
         plans = []
         for i, (st, k) in enumerate(zip(states, ks, strict=True)):
             st.probing = False
@@ -248,9 +256,10 @@ class GoodputPolicy(SpeculationPolicy):
             if st is None or fb.proposed == 0:
                 continue
             st.steps += 1
-            # a plain running mean over the first steps (the pooled start counts as one), then decay rho; a probe
-            # counts for half: after a time off it is the freshest evidence there is
-            keep = min(0.5 if st.probing else cfg.rho, st.steps / (st.steps + 1))
+            # a plain running mean over the first steps (the pooled start counts as start_weight of them), then decay
+            # rho; a probe counts for half: after a time off it is the freshest evidence there is
+            keep = min(0.5 if st.probing else cfg.rho,
+                       (st.steps - 1 + cfg.start_weight) / (st.steps + cfg.start_weight))
             st.p_first = keep * st.p_first + (1 - keep) * float(fb.accepted > 0)
             # the pooled means follow every sequence's outcomes: a plain mean where the priors count as pool_weight
             # steps, then rate pool_rate
