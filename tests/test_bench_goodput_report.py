@@ -57,12 +57,13 @@ def test_collapse_with_batch_size_is_caught() -> None:
 
 
 def test_reading_reports_the_sl_chosen_against_static_opt() -> None:
-    cells = [_cell("code", 1, "off", 10.0), _cell("code", 1, "static:4", 15.0),
+    """The SL against Static-opt's k (picked by latency); the throughput against the best static k by tokens/s."""
+    cells = [_cell("code", 1, "off", 10.0), _cell("code", 1, "static:4", 15.0), _cell("code", 1, "static:2", 16.0),
              _cell("code", 1, "static-opt", 15.0, static_opt_k=4), _cell("code", 1, "dsde", 14.0),
              _cell("code", 1, "dsde-goodput", 16.0)]
     cells[-1]["metrics"]["sl_mean"] = 5.25
     text = goodput_report.reading({"bench": _doc(cells)}, None)
-    assert "code T=0 b1 5.2/4" in text and "1.07x to 1.07x of its throughput" in text
+    assert "code T=0 b1 5.2/4" in text and "1.00x to 1.00x of its throughput" in text
 
 
 def test_reading_judges_the_gpu_profile_cells_of_the_simulator() -> None:
