@@ -296,6 +296,8 @@ def test_policy_contract_and_config_errors() -> None:
         GoodputConfig(probe_every=0)
     with pytest.raises(ConfigError, match="prior_pbar"):
         GoodputConfig(prior_pbar=1.0)
+    with pytest.raises(ConfigError, match="start_weight must be > 0"):
+        GoodputConfig(start_weight=0.0)
     with pytest.raises(ValueError, match="p_next"):
         Plan(3, p_next=1.5)
 
