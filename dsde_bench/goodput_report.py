@@ -30,6 +30,12 @@ def _static(cells: Sequence[dict[str, Any]]) -> list[tuple[str, float]]:
     return [(c["policy"], c["metrics"]["output_tok_s"]) for c in cells if c["policy"].startswith("static:")]
 
 
+def _best_static(cells: Sequence[dict[str, Any]]) -> tuple[str, float] | None:
+    """(policy, tokens/s) of the static k with the best tokens/s: what the throughput targets and the reading compare
+    with (Static-opt proper is picked by mean latency)."""
+    return max(_static(cells), key=lambda s: s[1], default=None)
+
+
 def _is_low_acceptance(cells: Sequence[dict[str, Any]]) -> bool:
     """Where speculation does not pay: DSDE and every static k below target-only."""
     off, statics = _tput(cells, "off"), [t for _, t in _static(cells)]
@@ -47,17 +53,15 @@ def targets(docs: dict[str, dict[str, Any]]) -> list[tuple[str, str, bool | None
             if g is None or off is None:
                 continue
             cell = f"{w}, T={t:g}, batch {b} ({where})"
-            statics = _static(cs)
-            d = _tput(cs, "dsde")
+            best, d = _best_static(cs), _tput(cs, "dsde")
             if _is_low_acceptance(cs):
-                best = max(statics, key=lambda s: s[1], default=("-", float("nan")))
+                best = best or ("-", float("nan"))
                 out.append((f"low acceptance: >= {LOW_ACCEPTANCE_FLOOR}x target-only, {cell}",
                             f"{g / off:.3f}x (DSDE {fmt(d / off if d else None, '.3f')}x, best static "
                             f"{best[0]} {best[1] / off:.3f}x)", g / off >= LOW_ACCEPTANCE_FLOOR))
                 continue
-            # a throughput target: against the static k of the best tokens/s (Static-opt proper is picked by latency)
-            if statics and d is not None:
-                so_k, so_t = max(statics, key=lambda s: s[1])
+            if best and d is not None:  # a throughput target: against the static k of the best tokens/s
+                so_k, so_t = best
                 ok = g > max(so_t, d) if w == "mixed" else g >= max(so_t, d)
                 rel = ">" if w == "mixed" else ">="
                 out.append((f"{rel} Static-opt and DSDE+cap, {cell}",
@@ -89,8 +93,8 @@ def reading(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
     vs_so, vs_d, sl, low = [], [], [], 0
     for name, doc in docs.items():
         for (w, t, b), cs in groups(doc["cells"], ("workload", "temperature", "batch")).items():
-            g, d = _tput(cs, POLICY), _tput(cs, "dsde")
-            so = max((t for _, t in _static(cs)), default=None)  # as the targets: the static k of the best tokens/s
+            g, d, best = _tput(cs, POLICY), _tput(cs, "dsde"), _best_static(cs)
+            so = best[1] if best else None
             gc, soc = _cell(cs, POLICY), _cell(cs, "static-opt")
             if name == "bench" and gc and soc:
                 sl.append(f"{w} T={t:g} b{b} {gc['metrics']['sl_mean']:.1f}/{soc.get('static_opt_k')}")
