@@ -61,13 +61,13 @@ bench: models
 
 # Trace-driven simulator with the oracle, validated against real runs.
 bench-sim: models
-	$(VENV)/bin/dsde bench --simulate --validate $(ARGS)
+	$(VENV)/bin/dsde bench --simulate --validate --warm-requests 4 $(ARGS)
 
 # The simulator's validation once more in float32 (traces and engine runs): no bf16 near-tie flips a token between a
 # batched trace and a batch-1 run, so what is left is the replay's own error (results/simulate_fp32.json).
 bench-sim-fp32: models
-	$(VENV)/bin/dsde bench --simulate --dtype float32 --workloads code,chat,mixed --max-tokens 64 --validate \
-	  --validate-batch-sizes 1 --validate-policies off,static:2,static:4,dsde,dsde-goodput --profiles gpu \
+	$(VENV)/bin/dsde bench --simulate --dtype float32 --workloads code,chat,mixed --max-tokens 64 --warm-requests 4 \
+	  --validate --validate-batch-sizes 1 --validate-policies off,static:2,static:4,dsde,dsde-goodput --profiles gpu \
 	  --no-progress --no-report --no-plots --out results/simulate_fp32.json
 	$(PY) -m dsde_bench report
 

@@ -62,7 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repeats", type=int, default=1, help="runs per cell, the median run kept (default 1)")
     g.add_argument("--warm-requests", type=int, default=0,
                    help="a policy that learns across requests (dsde-goodput) first serves this many other prompts of "
-                        "the workload, untimed: the steady state of a server (default 0: a cold start per cell)")
+                        "the workload, untimed: the steady state of a server (default 0: a cold start per cell); "
+                        "with --simulate, from a trace of those prompts")
 
     m = p.add_argument_group("models")
     m.add_argument("--draft", default=None, help="draft model (embedded name, HF directory or .gguf)")
@@ -221,11 +222,11 @@ def _grid(args: argparse.Namespace) -> int:
 
 
 def _trace_path(args: argparse.Namespace, backend_desc: dict[str, Any], workload: str, n: int, tokens: int,
-                horizon: int) -> Path:
+                horizon: int, seed: int) -> Path:
     tag = "tiny" if args.tiny else f"{backend_desc.get('target')}-{backend_desc.get('dtype')}"
     tag = "".join(ch if ch.isalnum() or ch in ".-_" else "_" for ch in tag)
     d = Path(args.traces_dir) if args.traces_dir else default_traces_dir()
-    return d / f"{workload}-n{n}-seed{args.seed}-t{tokens}-h{horizon}-{tag}.json"
+    return d / f"{workload}-n{n}-seed{seed}-t{tokens}-h{horizon}-{tag}.json"
 
 
 def default_traces_dir() -> Path:
@@ -236,6 +237,7 @@ def default_traces_dir() -> Path:
 def _simulate(args: argparse.Namespace) -> int:
     from dsde_bench.plots import simulate_plots
     from dsde_bench.report import simulate_section
+    from dsde_bench.runner import WARM_SEED_OFFSET
     from dsde_bench.simulator import (
         DEFAULT_SIM_POLICIES,
         CostModel,
@@ -262,23 +264,29 @@ def _simulate(args: argparse.Namespace) -> int:
             backend = _backend(args, max(4, *args.validate_batch_sizes))
         return backend
 
-    traces = []
-    for w in workloads:
-        prompts = load_workload(w, n, args.seed, args.max_chars)
-        path = _trace_path(args, desc, w, n, tokens, horizon)
+    def trace_of(w: str, prompts: list[Any], seed: int, what: str) -> Trace:
+        path = _trace_path(args, desc, w, len(prompts), tokens, horizon, seed)
         if path.exists():
-            traces.append(Trace.load(path))
-            print(f"trace {w}: {path} (cached)", file=sys.stderr)
-            continue
+            print(f"{what} {w}: {path} (cached)", file=sys.stderr)
+            return Trace.load(path)
         b = get_backend()
         t0 = time.perf_counter()
         ids = [b.encode(p.text) for p in prompts]
         tr = record(b.engine.target.runner, b.engine.draft.runner, ids, [p.id for p in prompts], tokens, horizon,
                     eos_ids=b.engine.eos_ids, top_k=b.engine.config.draft_top_k, workload=w, backend=b.description)
-        tr.meta = {"seed": args.seed, "record_s": time.perf_counter() - t0, "prompt_texts_sha": _sha(prompts)}
+        tr.meta = {"seed": seed, "record_s": time.perf_counter() - t0, "prompt_texts_sha": _sha(prompts)}
         tr.save(path)
-        traces.append(tr)
-        print(f"trace {w}: recorded in {time.perf_counter() - t0:.1f} s -> {path}", file=sys.stderr)
+        print(f"{what} {w}: recorded in {time.perf_counter() - t0:.1f} s -> {path}", file=sys.stderr)
+        return tr
+
+    traces, warm = [], {}
+    for w in workloads:
+        prompts = load_workload(w, n, args.seed, args.max_chars)
+        traces.append(trace_of(w, prompts, args.seed, "trace"))
+        if args.warm_requests:  # other prompts of the workload, as the real runs warm up on (runner.run_grid)
+            seed = args.seed + WARM_SEED_OFFSET
+            others = load_workload(w, args.warm_requests, seed, args.max_chars, frozenset(p.id for p in prompts))
+            warm[w] = trace_of(w, others, seed, "warm-up trace")
 
     measured = None
     if any(p.split(":")[0] == "measured" for p in args.profiles):
@@ -306,7 +314,7 @@ def _simulate(args: argparse.Namespace) -> int:
     print(f"{'profile':10} " + ROW_HEADER)
     doc = sweep(traces, policies, args.sim_batch_sizes, profiles, num_requests=args.sim_requests,
                 on_cell=lambda c: print(f"{c['profile'][:10]:10} " + format_row(
-                    {**c, "label": c.get("label", c["policy"])})))
+                    {**c, "label": c.get("label", c["policy"])})), warm=warm)
     if args.validate:
         vpol = args.validate_policies or [p for p in policies if p != "oracle"]
         doc["validation"] = validate(get_backend(), traces, vpol, args.validate_batch_sizes, print_fn=print)

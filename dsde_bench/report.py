@@ -424,6 +424,11 @@ def simulate_section(doc: dict[str, Any], fp32: dict[str, Any] | None = None) ->
     traces = md_table(["workload", "prompts", "max_tokens", "horizon", "positions", "mean accepted run"],
                       [(t["workload"], t["prompts"], t["max_tokens"], t["horizon"], t["positions"],
                         fmt(t["mean_match"])) for t in doc.get("traces", [])])
+    warm = doc.get("warm_traces") or []
+    warm_txt = (f" A policy that learns across requests (dsde-goodput) first serves a warm-up trace of other "
+                f"prompts of the workload ({warm[0]['prompts']}), untimed, as in the real runs (--warm-requests): the "
+                f"steady state of a server, not a fresh process; the validation below runs it cold on both sides."
+                if warm else " Every cell starts from a fresh policy: no warm-up (--warm-requests).")
     val = doc.get("validation")
     val_txt = ""
     if val:
@@ -444,7 +449,8 @@ Command: `{meta.get('command', 'dsde bench --simulate')}` (sweep: {fmt(doc.get('
 A trace holds, along the target's greedy output of each prompt, the draft's greedy rollout from every position
 with its KLDs and entropies; policies are replayed through their real interface at temperature 0. The oracle
 proposes exactly the tokens the target will accept. "vs oracle" = target forwards per token / the oracle's (1.00
-is the bound). Simulated latency and throughput come from the cost profile; decode and prefill are both priced.
+is the bound). Simulated latency and throughput come from the cost profile; decode and prefill are both
+priced.{warm_txt}
 
 Traces:
 

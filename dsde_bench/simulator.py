@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -390,25 +390,40 @@ class SimRun:
 
 def simulate(trace: Trace, policy: str | SpeculationPolicy, batch: int, max_sl: int | None = None,
              num_requests: int | None = None, max_tokens: int | None = None, watch: int = 0,
-             cost: CostModel | None = None) -> SimRun:
+             cost: CostModel | None = None, warm: Trace | None = None) -> SimRun:
     """Replay `policy` on the trace with `batch` requests in flight (greedy, temperature 0).
     cost: the profile a cost-aware policy plans with (its schedule then holds for that profile only).
 
     num_requests: how many requests (default: one per traced prompt, at least `batch`; prompts are reused in order,
     each copy a separate request). max_sl: the engine's ceiling (default and at most the trace's horizon).
+    warm: a policy that learns across requests (dsde-goodput) first serves this trace's prompts, untimed, at the
+    same batch size: the steady state of a server, as `dsde bench --warm-requests` runs it. The other policies keep
+    no state across requests and skip it.
     """
     if batch < 1:
         raise ConfigError(f"batch must be >= 1, got {batch}")
     pol = make_sim_policy(policy) if isinstance(policy, str) else policy
     name = policy if isinstance(policy, str) else pol.name
+    costs = ProfileCosts(cost) if cost is not None else None
+    if warm is not None and pol.pooled:
+        _replay(warm, pol, pol, batch, max_sl, len(warm.seqs), max_tokens, costs, prefix="warm-")
     rec = RecordingPolicy(pol, watch=watch)
+    steps, everyone, finished = _replay(trace, rec, pol, batch, max_sl, num_requests, max_tokens, costs)
+    return SimRun(name, batch, steps, everyone, finished, rec.series)
+
+
+def _replay(trace: Trace, planner: SpeculationPolicy, pol: SpeculationPolicy, batch: int, max_sl: int | None,
+            num_requests: int | None, max_tokens: int | None, costs: ProfileCosts | None,
+            prefix: str = "") -> tuple[list[tuple[list[int], list[int], list[int]]], list[_Live], dict[str, int]]:
+    """The engine's step loop on the trace: `planner` plans and observes (pol itself, or a recorder around it).
+    Returns the steps, the requests and the step each finished in."""
     cap_sl = trace.horizon if max_sl is None else min(max_sl, trace.horizon)
     limit = trace.max_tokens if max_tokens is None else min(max_tokens, trace.max_tokens)
     n_req = num_requests if num_requests is not None else max(len(trace.seqs), batch)
-    todo = [(f"{trace.seqs[i % len(trace.seqs)].id}" + (f"#{i // len(trace.seqs)}" if i >= len(trace.seqs) else ""),
+    todo = [(prefix + f"{trace.seqs[i % len(trace.seqs)].id}"
+             + (f"#{i // len(trace.seqs)}" if i >= len(trace.seqs) else ""),
              trace.seqs[i % len(trace.seqs)]) for i in range(n_req)]
     todo.reverse()
-    costs = ProfileCosts(cost) if cost is not None else None
     running: list[_Live] = []
     everyone: list[_Live] = []
     steps: list[tuple[list[int], list[int], list[int]]] = []
@@ -425,24 +440,24 @@ def simulate(trace: Trace, policy: str | SpeculationPolicy, batch: int, max_sl: 
         pending = [r.seq.prompt_tokens if r.steps == 0 else 1 for r in running]
         infos = [SeqInfo(r.rid, 0.0, max(0, min(cap_sl, limit - r.out - 1)), n, limit - r.out, _draft_lag(r))
                  for r, n in zip(running, pending, strict=True)]
-        plans = rec.plan(infos, costs.estimate(len(infos), sum(pending) + sum(i.max_k for i in infos))
-                         if costs is not None else None)
+        plans = planner.plan(infos, costs.estimate(len(infos), sum(pending) + sum(i.max_k for i in infos))
+                             if costs is not None else None)
         ks = _draft_levels(running, plans, [min(p.k, i.max_k) for p, i in zip(plans, infos, strict=True)])
         fbs = []
         for r, p, k, info in zip(running, plans, ks, infos, strict=True):
             acc = min(k, r.seq.match(r.pos))
             fbs.append(StepFeedback(r.rid, min(p.k, info.max_k), k, acc, tuple(r.seq.kld[r.pos][:k]),
                                     tuple(r.seq.entropy[r.pos][:k]), tuple(r.seq.top1[r.pos][:k])))
-        rec.observe(fbs)
+        planner.observe(fbs)
         draft_extra = [_draft_lag(r) if k > 0 else 0 for r, k in zip(running, ks, strict=True)]
         steps.append((ks, [n - 1 for n in pending], draft_extra))
         for r, fb in zip(running, fbs, strict=True):
             _commit(r, fb, limit, step)
         for r in [r for r in running if r.done]:
             finished[r.rid] = step
-            rec.release(r.rid)
+            planner.release(r.rid)
         running = [r for r in running if not r.done]
-    return SimRun(name, batch, steps, everyone, finished, rec.series)
+    return steps, everyone, finished
 
 
 def _draft_lag(r: _Live) -> int:
@@ -509,8 +524,11 @@ DEFAULT_SIM_POLICIES: tuple[str, ...] = (
 
 def sweep(traces: Sequence[Trace], policies: Sequence[str], batch_sizes: Sequence[int], profiles: Sequence[CostModel],
           num_requests: int | None = None, watch: int = 2,
-          on_cell: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Every (workload, batch, policy) replayed once, priced under every profile. Returns the results document."""
+          on_cell: Callable[[dict[str, Any]], None] | None = None,
+          warm: Mapping[str, Trace] | None = None) -> dict[str, Any]:
+    """Every (workload, batch, policy) replayed once, priced under every profile. Returns the results document.
+    warm: per workload, the trace a policy that learns across requests serves first, untimed (see simulate)."""
+    warm = warm or {}
     if "off" not in policies:
         raise ConfigError("the policies must include 'off': speedups are measured against it")
     cells: list[dict[str, Any]] = []
@@ -523,9 +541,10 @@ def sweep(traces: Sequence[Trace], policies: Sequence[str], batch_sizes: Sequenc
             n_req = num_requests if num_requests is not None else max(len(tr.seqs), 2 * bs)
             w = watch if bs == batch_sizes[0] else 0
             # a cost-aware policy's schedule depends on the profile: replayed once per profile, the rest once
-            runs = {p: simulate(tr, p, bs, num_requests=n_req, watch=w) for p in order if p not in aware}
+            wt = warm.get(tr.workload)
+            runs = {p: simulate(tr, p, bs, num_requests=n_req, watch=w, warm=wt) for p in order if p not in aware}
             for i, cost in enumerate(profiles):
-                runs.update({p: simulate(tr, p, bs, num_requests=n_req, watch=w if i == 0 else 0, cost=cost)
+                runs.update({p: simulate(tr, p, bs, num_requests=n_req, watch=w if i == 0 else 0, cost=cost, warm=wt)
                              for p in aware})
                 for p, run in runs.items():
                     if i == 0 or p in aware:
@@ -555,6 +574,8 @@ def sweep(traces: Sequence[Trace], policies: Sequence[str], batch_sizes: Sequenc
         "traces": [{"workload": t.workload, "prompts": len(t.seqs), "max_tokens": t.max_tokens, "horizon": t.horizon,
                     "backend": t.backend, "positions": sum(len(s.tokens) for s in t.seqs),
                     "mean_match": _mean_match(t)} for t in traces],
+        "warm_traces": [{"workload": t.workload, "prompts": len(t.seqs), "max_tokens": t.max_tokens}
+                        for t in warm.values()],
         "cells": cells,
         "series": series,
         "elapsed_s": time.perf_counter() - t0,

@@ -128,11 +128,16 @@ def test_cli_simulate_tiny(tmp_path, monkeypatch) -> None:
     doc = json.loads((res / "simulate.json").read_text())
     assert doc["validation"]["ok"] and {c["profile"] for c in doc["cells"]} == {"cpu", "gpu"}
     assert list((tmp_path / "cache" / "dsde" / "traces").glob("code-n2-seed1-t12-h6-tiny.json"))
-    # the second run reuses the trace
+    assert "Every cell starts from a fresh policy" in (tmp_path / "B.md").read_text()
+    # the second run reuses the trace, and records one of other prompts for dsde-goodput's warm-up
     assert cli.main(["--tiny", "--simulate", "--workloads", "code", "--num-prompts", "2", "--max-tokens", "12",
                      "--max-sl", "6", "--profiles", "gpu", "--sim-batch-sizes", "1", "--results-dir", str(res),
-                     "--no-report", "--no-plots"]) == 0
-    assert "Trace-driven simulator" in (tmp_path / "B.md").read_text()
+                     "--warm-requests", "1", "--benchmarks-md", str(tmp_path / "B.md"), "--no-plots"]) == 0
+    assert list((tmp_path / "cache" / "dsde" / "traces").glob("code-n1-seed1001-t12-h6-tiny.json"))
+    doc = json.loads((res / "simulate.json").read_text())
+    assert doc["warm_traces"] == [{"workload": "code", "prompts": 1, "max_tokens": 12}]
+    text = (tmp_path / "B.md").read_text()
+    assert "Trace-driven simulator" in text and "a warm-up trace of other prompts of the workload (1)" in text
 
 
 def test_cli_reports_a_missing_data_package(monkeypatch, tmp_path, capsys) -> None:

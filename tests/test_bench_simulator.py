@@ -7,11 +7,12 @@ import pytest
 
 from dsde_bench.backend import tiny_backend
 from dsde_bench.metrics import summarize
-from dsde_bench.runner import run_cell, sampling_params
+from dsde_bench.runner import Warmup, run_cell, sampling_params
 from dsde_bench.simulator import (
     DEFAULT_SIM_POLICIES,
     CostModel,
     OraclePolicy,
+    ProfileCosts,
     builtin_profile,
     fit_engine_steps,
     parse_profile,
@@ -80,6 +81,32 @@ def test_replay_matches_the_engine_step_by_step(backend, trace: Trace) -> None:
         got = {r.prompt_id: (r.steps, r.drafted, r.accepted, r.output_tokens, r.sl) for r in sim}
         want = {r.prompt_id: (r.steps, r.drafted, r.accepted, r.output_tokens, r.sl) for r in real.records}
         assert got == want, pol
+
+
+def test_a_pooled_policy_warms_up_untimed_as_the_engine_does(backend, trace: Trace) -> None:
+    """--warm-requests in the simulator: dsde-goodput first serves other prompts untimed, and then takes the same
+    steps as the engine warmed up on the same prompts (both plan with one fixed profile, as in validate); a policy
+    that keeps no state across requests replays exactly as without the warm-up."""
+    b = backend
+    others = [[(11 * i + 5 * j) % 96 for j in range(4 + 2 * i)] for i in range(2)]
+    warm = record(b.engine.target.runner, b.engine.draft.runner, others, ["w0", "w1"], TOKENS, HORIZON,
+                  eos_ids=b.engine.eos_ids, top_k=b.engine.config.draft_top_k, workload="tiny")
+    assert simulate(trace, "static:3", 2, warm=warm).steps == simulate(trace, "static:3", 2).steps
+    cpu = builtin_profile("cpu")
+    run = simulate(trace, "dsde-goodput", 2, num_requests=3, cost=cpu, warm=warm)
+    assert [r.rid for r in run.requests] == ["p0", "p1", "p2"]  # the warm-up is not part of the timed run
+    cold = simulate(trace, "dsde-goodput", 2, num_requests=3, cost=cpu)
+    assert run.steps != cold.steps  # the pooled estimates it starts from are the warm-up's
+    online, b.engine.costs = b.engine.costs, ProfileCosts(cpu)
+    try:
+        real = run_cell(b.engine, "dsde-goodput", _prompts(), ["p0", "p1", "p2"], sampling_params(3, TOKENS, 0.0, 0,
+                        False), batch=2, watch=0, warm=Warmup(others, ["w0", "w1"], sampling_params(2, TOKENS, 0.0,
+                                                                                                       0, False)))
+    finally:
+        b.engine.costs = online
+    sim, _, _ = run.priced(UNIT)
+    got = {r.prompt_id: (r.steps, r.drafted, r.accepted, r.output_tokens, r.sl) for r in sim}
+    assert got == {r.prompt_id: (r.steps, r.drafted, r.accepted, r.output_tokens, r.sl) for r in real.records}
 
 
 def test_oracle_is_a_lower_bound(trace: Trace) -> None:
