@@ -130,9 +130,12 @@ def reading(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
     if rows:
         full = [(p, w, b, m) for p, w, b, m in rows if all(m.get(x) for x in (POLICY, "static-opt", "dsde"))]
         wins = [(p, b) for p, _, b, m in full if m[POLICY] >= max(m["static-opt"], m["dsde"])]
-        lines.append(f"- **Simulator** (no timing noise, every cost profile): dsde-goodput is at least as fast as both "
-                     f"Static-opt and DSDE in {len(wins)} of {len(rows)} (profile, workload, batch) cells, "
-                     f"{sum(b >= 4 for _, b in wins)} of them at batch 4 or more.")
+        warm = (sim or {}).get("warm_traces")
+        how = (f"after a warm-up on {warm[0]['prompts']} other prompts, as in the real runs" if warm
+               else "each cell from a fresh policy, whose empty pool explores")
+        lines.append(f"- **Simulator** (no timing noise, every cost profile; {how}): dsde-goodput is at least as "
+                     f"fast as both Static-opt and DSDE in {len(wins)} of {len(rows)} (profile, workload, batch) "
+                     f"cells, {sum(b >= 4 for _, b in wins)} of them at batch 4 or more.")
         gpu = [(w, b, m[POLICY] / max(m["static-opt"], m["dsde"])) for p, w, b, m in full if p == "gpu"]
         if gpu:
             lines.append("- **GPU-like profile** (the issue's simulator check), dsde-goodput's speedup / the better of "

@@ -74,3 +74,6 @@ def test_reading_judges_the_gpu_profile_cells_of_the_simulator() -> None:
     sim = {"cells": sim_cells("code", 5.0, 6.0, 6.6) + sim_cells("mixed", 4.0, 3.0, 3.9)}
     text = goodput_report.reading({}, sim)
     assert "code b4 1.10x, mixed b4 0.97x; at least as fast in 1 of 2, faster on mixed in 0 of 1." in text
+    assert "each cell from a fresh policy" in text  # the sweep says whether dsde-goodput was warmed up
+    warm = goodput_report.reading({}, {**sim, "warm_traces": [{"workload": "code", "prompts": 4, "max_tokens": 64}]})
+    assert "after a warm-up on 4 other prompts" in warm
