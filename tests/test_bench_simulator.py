@@ -97,11 +97,11 @@ def test_a_pooled_policy_warms_up_untimed_as_the_engine_does(backend, trace: Tra
     assert [r.rid for r in run.requests] == ["p0", "p1", "p2"]  # the warm-up is not part of the timed run
     cold = simulate(trace, "dsde-goodput", 2, num_requests=3, cost=cpu)
     assert run.steps != cold.steps  # the pooled estimates it starts from are the warm-up's
+    params, warm_params = (sampling_params(n, TOKENS, 0.0, 0, False) for n in (3, 2))
     online, b.engine.costs = b.engine.costs, ProfileCosts(cpu)
     try:
-        real = run_cell(b.engine, "dsde-goodput", _prompts(), ["p0", "p1", "p2"], sampling_params(3, TOKENS, 0.0, 0,
-                        False), batch=2, watch=0, warm=Warmup(others, ["w0", "w1"], sampling_params(2, TOKENS, 0.0,
-                                                                                                       0, False)))
+        real = run_cell(b.engine, "dsde-goodput", _prompts(), ["p0", "p1", "p2"], params, batch=2, watch=0,
+                        warm=Warmup(others, ["w0", "w1"], warm_params))
     finally:
         b.engine.costs = online
     sim, _, _ = run.priced(UNIT)
