@@ -237,11 +237,12 @@ def default_traces_dir() -> Path:
 def _simulate(args: argparse.Namespace) -> int:
     from dsde_bench.plots import simulate_plots
     from dsde_bench.report import simulate_section
-    from dsde_bench.runner import WARM_SEED_OFFSET
+    from dsde_bench.runner import WARM_SEED_OFFSET, other_prompts
     from dsde_bench.simulator import (
         DEFAULT_SIM_POLICIES,
         CostModel,
         fit_engine_steps,
+        make_sim_policy,
         measure_costs,
         parse_profile,
         sweep,
@@ -279,14 +280,15 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"{what} {w}: recorded in {time.perf_counter() - t0:.1f} s -> {path}", file=sys.stderr)
         return tr
 
+    # a warm-up trace only where a policy of the sweep keeps state across requests (the others skip it)
+    n_warm = args.warm_requests if any(make_sim_policy(p).pooled for p in policies) else 0
     traces, warm = [], {}
     for w in workloads:
         prompts = load_workload(w, n, args.seed, args.max_chars)
         traces.append(trace_of(w, prompts, args.seed, "trace"))
-        if args.warm_requests:  # other prompts of the workload, as the real runs warm up on (runner.run_grid)
-            seed = args.seed + WARM_SEED_OFFSET
-            others = load_workload(w, args.warm_requests, seed, args.max_chars, frozenset(p.id for p in prompts))
-            warm[w] = trace_of(w, others, seed, "warm-up trace")
+        if n_warm:
+            others = other_prompts(w, n_warm, args.seed, args.max_chars, prompts)
+            warm[w] = trace_of(w, others, args.seed + WARM_SEED_OFFSET, "warm-up trace")
 
     measured = None
     if any(p.split(":")[0] == "measured" for p in args.profiles):

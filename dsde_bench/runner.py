@@ -179,6 +179,14 @@ class Warmup:
     params: Sequence[SamplingParams]
 
 
+def other_prompts(workload: str, n: int, seed: int, max_chars: int, cell: Sequence[Prompt]) -> list[Prompt]:
+    """The n prompts a policy that learns across requests serves, untimed, before a cell of `cell`'s prompts: other
+    prompts of the workload (seed + WARM_SEED_OFFSET, none of the cell's). The simulator warms up on the same ones."""
+    if n == 0:
+        return []
+    return load_workload(workload, n, seed + WARM_SEED_OFFSET, max_chars, frozenset(p.id for p in cell))
+
+
 def run_cell(engine: Engine, policy: str, prompts: Sequence[Sequence[int]], prompt_ids: Sequence[str],
              params: Sequence[SamplingParams], batch: int, watch: int = 3, warm: Warmup | None = None) -> CellRun:
     adaptive = policy != "off" and not policy.startswith("static")
@@ -251,8 +259,7 @@ def run_grid(backend: Backend, cfg: GridConfig, print_fn: Callable[[str], None] 
         pids = _unique_ids(prompts)
         ids = [backend.encode(p.text) for p in prompts]
         workload_prompts[w] = [{"id": pid, "tokens": len(x)} for pid, x in zip(pids, ids, strict=True)]
-        warm_prompts = load_workload(w, cfg.warm_requests, cfg.seed + WARM_SEED_OFFSET, cfg.max_chars,
-                                     frozenset(p.id for p in prompts)) if cfg.warm_requests else []
+        warm_prompts = other_prompts(w, cfg.warm_requests, cfg.seed, cfg.max_chars, prompts)
         for temp in cfg.temperatures:
             params = sampling_params(len(ids), cfg.max_tokens, temp, cfg.seed, cfg.ignore_eos)
             warm = Warmup([backend.encode(p.text) for p in warm_prompts], [f"warm-{i}" for i in range(

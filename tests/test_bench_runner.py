@@ -138,6 +138,12 @@ def test_cli_simulate_tiny(tmp_path, monkeypatch) -> None:
     assert doc["warm_traces"] == [{"workload": "code", "prompts": 1, "max_tokens": 12}]
     text = (tmp_path / "B.md").read_text()
     assert "Trace-driven simulator" in text and "a warm-up trace of other prompts of the workload (1)" in text
+    # no policy of the sweep keeps state across requests: no warm-up trace is recorded
+    assert cli.main(["--tiny", "--simulate", "--workloads", "code", "--num-prompts", "2", "--max-tokens", "12",
+                     "--max-sl", "6", "--profiles", "gpu", "--sim-batch-sizes", "1", "--results-dir", str(res),
+                     "--sim-policies", "off,static:2", "--warm-requests", "2", "--no-report", "--no-plots"]) == 0
+    assert not list((tmp_path / "cache" / "dsde" / "traces").glob("code-n2-seed1001-*"))
+    assert json.loads((res / "simulate.json").read_text())["warm_traces"] == []
 
 
 def test_cli_reports_a_missing_data_package(monkeypatch, tmp_path, capsys) -> None:
