@@ -26,6 +26,17 @@ def _tput(cells: Sequence[dict[str, Any]], policy: str) -> float | None:
     return c["metrics"]["output_tok_s"] if c else None
 
 
+def _latency(cells: Sequence[dict[str, Any]], policy: str) -> float | None:
+    c = _cell(cells, policy)
+    return c["metrics"].get("mean_e2e_s") if c else None
+
+
+def _latency_ratio(cells: Sequence[dict[str, Any]], policy: str) -> float | None:
+    """The policy's mean latency / dsde-goodput's (above 1: dsde-goodput is faster by this measure)."""
+    other, mine = _latency(cells, policy), _latency(cells, POLICY)
+    return other / mine if other and mine else None
+
+
 def _static(cells: Sequence[dict[str, Any]]) -> list[tuple[str, float]]:
     return [(c["policy"], c["metrics"]["output_tok_s"]) for c in cells if c["policy"].startswith("static:")]
 
@@ -64,8 +75,10 @@ def targets(docs: dict[str, dict[str, Any]]) -> list[tuple[str, str, bool | None
                 so_k, so_t = best
                 ok = g > max(so_t, d) if w == "mixed" else g >= max(so_t, d)
                 rel = ">" if w == "mixed" else ">="
+                lat = _latency_ratio(cs, so_k)
+                by_lat = f", {lat:.3f}x by mean latency" if lat else ""
                 out.append((f"{rel} Static-opt and DSDE+cap, {cell}",
-                            f"{g / so_t:.3f}x Static-opt by tokens/s ({so_k}), {g / d:.3f}x DSDE", ok))
+                            f"{g / so_t:.3f}x Static-opt by tokens/s ({so_k}){by_lat}, {g / d:.3f}x DSDE", ok))
         sizes = sorted({c["batch"] for c in doc["cells"]})
         if len(sizes) >= 3:
             for (w, t), cs in groups(doc["cells"], ("workload", "temperature")).items():
@@ -90,7 +103,7 @@ def _sim_rows(sim: dict[str, Any] | None) -> list[tuple[str, str, int, dict[str,
 
 def reading(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
     """An honest summary computed from the same figures as the tables."""
-    vs_so, vs_d, sl, low = [], [], [], 0
+    vs_so, vs_d, sl, low, split = [], [], [], 0, []
     for name, doc in docs.items():
         for (w, t, b), cs in groups(doc["cells"], ("workload", "temperature", "batch")).items():
             g, d, best = _tput(cs, POLICY), _tput(cs, "dsde"), _best_static(cs)
@@ -101,6 +114,9 @@ def reading(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
             low += bool(g and _is_low_acceptance(cs))
             if g and so:
                 vs_so.append(g / so)
+                lat = _latency_ratio(cs, best[0])
+                if g < so and lat and lat >= 1:
+                    split.append(f"{w} T={t:g} b{b} ({g / so:.3f}x by tokens/s, {lat:.3f}x by mean latency)")
             if g and d:
                 vs_d.append(g / d)
     lines = []
@@ -109,6 +125,11 @@ def reading(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
                      f"prompts): dsde-goodput reaches {min(vs_so):.2f}x to {max(vs_so):.2f}x of its throughput "
                      f"(median {sorted(vs_so)[len(vs_so) // 2]:.2f}x); at least as fast in "
                      f"{sum(r >= 1 for r in vs_so)} of {len(vs_so)} cells.")
+    if split:
+        lines.append("- **Behind by tokens/s, not by mean latency**: " + ", ".join(split) + ". A cell is a closed "
+                     "batch, so its tokens/s is set by the request that finishes last, while dsde-goodput maximises "
+                     "tokens per unit of step time for the batch as a whole: it spends drafts on the rows that accept "
+                     "well and can leave a weak row to finish last. The targets above are judged by tokens/s.")
     if vs_d:
         lines.append(f"- **Against DSDE with the cap**: {min(vs_d):.2f}x to {max(vs_d):.2f}x; at least as fast in "
                      f"{sum(r >= 1 for r in vs_d)} of {len(vs_d)} cells.")
