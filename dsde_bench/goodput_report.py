@@ -37,6 +37,13 @@ def _latency_ratio(cells: Sequence[dict[str, Any]], policy: str) -> float | None
     return other / mine if other and mine else None
 
 
+def _idle(cells: Sequence[dict[str, Any]]) -> bool:
+    """dsde-goodput drafted nothing in this cell: its target forwards are target-only's, token for token."""
+    g, off = _cell(cells, POLICY), _cell(cells, "off")
+    return bool(g and off and g["metrics"].get("draft_fwd_per_tok") == 0
+                and g["metrics"].get("target_fwd_per_tok") == off["metrics"].get("target_fwd_per_tok"))
+
+
 def _static(cells: Sequence[dict[str, Any]]) -> list[tuple[str, float]]:
     return [(c["policy"], c["metrics"]["output_tok_s"]) for c in cells if c["policy"].startswith("static:")]
 
@@ -67,9 +74,11 @@ def targets(docs: dict[str, dict[str, Any]]) -> list[tuple[str, str, bool | None
             best, d = _best_static(cs), _tput(cs, "dsde")
             if _is_low_acceptance(cs):
                 best = best or ("-", float("nan"))
+                same = ("; it drafted nothing, so it ran target-only's forwards token for token: any gap is "
+                        "timing noise") if _idle(cs) else ""
                 out.append((f"low acceptance: >= {LOW_ACCEPTANCE_FLOOR}x target-only, {cell}",
                             f"{g / off:.3f}x (DSDE {fmt(d / off if d else None, '.3f')}x, best static "
-                            f"{best[0]} {best[1] / off:.3f}x)", g / off >= LOW_ACCEPTANCE_FLOOR))
+                            f"{best[0]} {best[1] / off:.3f}x){same}", g / off >= LOW_ACCEPTANCE_FLOOR))
                 continue
             if best and d is not None:  # a throughput target: against the static k of the best tokens/s
                 so_k, so_t = best
