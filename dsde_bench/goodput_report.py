@@ -199,14 +199,21 @@ def oracle_table(sim: dict[str, Any] | None) -> str:
                         "DSDE target fwd vs oracle", "goodput target fwd vs oracle"], rows))
 
 
+def _where(doc: dict[str, Any]) -> str:
+    """The run's CPU and date: figures from different machines are not comparable (ratios within one run are)."""
+    meta = doc.get("meta", {})
+    cpu, created = meta.get("machine", {}).get("cpu"), meta.get("created", "")[:10]
+    return "".join(f", {x}" for x in (cpu, created) if x)
+
+
 def section(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
     if not docs and not sim:
         return ""
     tg = targets(docs)
     tgt = md_table(["target", "figure", "met"], [(a, b, fmt(c)) for a, b, c in tg]) if tg else "(no engine runs)"
     met = sum(1 for *_, ok in tg if ok)
-    runs = "\n".join(f"- `{n}`: `{d.get('meta', {}).get('command', '?')}` ({fmt(d.get('elapsed_s'), '.0f')} s)"
-                     for n, d in docs.items())
+    runs = "\n".join(f"- `{n}`: `{d.get('meta', {}).get('command', '?')}` ({fmt(d.get('elapsed_s'), '.0f')} s"
+                     f"{_where(d)})" for n, d in docs.items())
     tables = "\n\n".join(f"#### {n}: {w}, T={t:g}, batch {b}\n\n{cells_table(cs)}"
                          for n, d in docs.items()
                          for (w, t, b), cs in groups(d["cells"], ("workload", "temperature", "batch")).items())

@@ -105,3 +105,14 @@ def test_reading_judges_the_gpu_profile_cells_of_the_simulator() -> None:
     assert "each cell from a fresh policy" in text  # the sweep says whether dsde-goodput was warmed up
     warm = goodput_report.reading({}, {**sim, "warm_traces": [{"workload": "code", "prompts": 4, "max_tokens": 64}]})
     assert "after a warm-up on 4 other prompts" in warm
+
+
+def test_the_section_names_each_runs_machine_and_date() -> None:
+    """Figures of different machines are not comparable: each run line says which CPU made it, and when."""
+    doc = _doc([_cell("code", 1, "off", 10.0), _cell("code", 1, "dsde-goodput", 12.0)])
+    doc["meta"] = {"command": "dsde bench --x", "created": "2026-11-25T00:18:08+00:00",
+                   "machine": {"cpu": "AMD EPYC"}}
+    text = goodput_report.section({"bench": doc}, None)
+    assert "- `bench`: `dsde bench --x` (1 s, AMD EPYC, 2026-11-25)" in text
+    del doc["meta"]["machine"]
+    assert "(1 s, 2026-11-25)" in goodput_report.section({"bench": doc}, None)
