@@ -138,9 +138,9 @@ def command_line(argv: list[str] | None = None) -> str:
 
 
 def _meta(plots: list[Path] | None = None) -> dict[str, Any]:
-    from dsde_bench.backend import machine_info
+    from dsde_bench.backend import code_version, machine_info
 
-    return {"command": command_line(), "machine": machine_info(),
+    return {"command": command_line(), "machine": machine_info(), "code": code_version(),
             "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "plots": [str(p) for p in plots or []]}
 

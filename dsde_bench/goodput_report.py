@@ -200,10 +200,12 @@ def oracle_table(sim: dict[str, Any] | None) -> str:
 
 
 def _where(doc: dict[str, Any]) -> str:
-    """The run's CPU and date: figures from different machines are not comparable (ratios within one run are)."""
+    """The run's CPU, date and commit: figures from different machines are not comparable (ratios within one run
+    are), and a figure describes the code it was measured with."""
     meta = doc.get("meta", {})
-    cpu, created = meta.get("machine", {}).get("cpu"), meta.get("created", "")[:10]
-    return "".join(f", {x}" for x in (cpu, created) if x)
+    cpu, created, code = meta.get("machine", {}).get("cpu"), meta.get("created", "")[:10], meta.get("code") or {}
+    commit = code.get("commit", "")[:7] + (" with modified code" if code.get("modified") else "") if code else ""
+    return "".join(f", {x}" for x in (cpu, created, commit and f"commit {commit}") if x)
 
 
 def section(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:

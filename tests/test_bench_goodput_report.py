@@ -116,3 +116,7 @@ def test_the_section_names_each_runs_machine_and_date() -> None:
     assert "- `bench`: `dsde bench --x` (1 s, AMD EPYC, 2026-11-25)" in text
     del doc["meta"]["machine"]
     assert "(1 s, 2026-11-25)" in goodput_report.section({"bench": doc}, None)
+    doc["meta"]["code"] = {"commit": "f58f5c4d0e1", "modified": False}
+    assert "(1 s, 2026-11-25, commit f58f5c4)" in goodput_report.section({"bench": doc}, None)
+    doc["meta"]["code"]["modified"] = True
+    assert "(1 s, 2026-11-25, commit f58f5c4 with modified code)" in goodput_report.section({"bench": doc}, None)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -103,6 +105,9 @@ def test_cli_grid_and_report(tmp_path, capsys) -> None:
     assert rc == 0
     doc = json.loads((res / "bench.json").read_text())
     assert doc["meta"]["command"].endswith("--benchmarks-md " + str(md))
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(cli.__file__).resolve().parents[1],
+                          capture_output=True, text=True).stdout.strip()
+    assert doc["meta"]["code"]["commit"] == head and isinstance(doc["meta"]["code"]["modified"], bool)
     assert (res / "bench.md").exists() and any((res / "plots").glob("speedup_T0.png"))
     page = md.read_text()
     assert "## Policies on real workloads" in page and "Static-opt" in page and "## Machine" in page
