@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from dsde_bench.report import cells_table, fmt, groups, md_table
+from dsde_bench.report import cells_table, fmt, groups, md_table, same_schedule
 
 POLICY = "dsde-goodput"
 LOW_ACCEPTANCE_FLOOR = 0.98  # tokens/s against target-only where speculation does not pay
@@ -35,13 +35,6 @@ def _latency_ratio(cells: Sequence[dict[str, Any]], policy: str) -> float | None
     """The policy's mean latency / dsde-goodput's (above 1: dsde-goodput is faster by this measure)."""
     other, mine = _latency(cells, policy), _latency(cells, POLICY)
     return other / mine if other and mine else None
-
-
-def _idle(cells: Sequence[dict[str, Any]]) -> bool:
-    """dsde-goodput drafted nothing in this cell: its target forwards are target-only's, token for token."""
-    g, off = _cell(cells, POLICY), _cell(cells, "off")
-    return bool(g and off and g["metrics"].get("draft_fwd_per_tok") == 0
-                and g["metrics"].get("target_fwd_per_tok") == off["metrics"].get("target_fwd_per_tok"))
 
 
 def _static(cells: Sequence[dict[str, Any]]) -> list[tuple[str, float]]:
@@ -75,7 +68,7 @@ def targets(docs: dict[str, dict[str, Any]]) -> list[tuple[str, str, bool | None
             if _is_low_acceptance(cs):
                 best = best or ("-", float("nan"))
                 same = ("; it drafted nothing, so it ran target-only's forwards token for token: any gap is "
-                        "timing noise") if _idle(cs) else ""
+                        "timing noise") if same_schedule(cs, POLICY, "off") else ""
                 out.append((f"low acceptance: >= {LOW_ACCEPTANCE_FLOOR}x target-only, {cell}",
                             f"{g / off:.3f}x (DSDE {fmt(d / off if d else None, '.3f')}x, best static "
                             f"{best[0]} {best[1] / off:.3f}x){same}", g / off >= LOW_ACCEPTANCE_FLOOR))

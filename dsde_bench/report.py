@@ -107,7 +107,8 @@ def _get(cells: Sequence[dict[str, Any]], policy: str) -> dict[str, Any] | None:
     return c["metrics"] if c else None
 
 
-def _same_schedule(cells: Sequence[dict[str, Any]], a: str, b: str) -> bool:
+def same_schedule(cells: Sequence[dict[str, Any]], a: str, b: str) -> bool:
+    """Policies a and b proposed the same tokens at every step of every request of the cell group."""
     ca = next((c for c in cells if c["policy"] == a), None)
     cb = next((c for c in cells if c["policy"] == b), None)
     if not (ca and cb and ca.get("requests") and cb.get("requests")):
@@ -164,7 +165,7 @@ def cap_targets(cells: Sequence[dict[str, Any]], source: str = "") -> list[tuple
                 r = d["output_tok_s"] / n["output_tok_s"]
                 note = "" if bmax >= 16 else f" (largest batch in this run is {bmax}, the issue asks for 16)"
                 name = f"cap raises throughput at batch {bmax}, {w} (T={t:g}){source}"
-                if _same_schedule(cs, "dsde", "dsde-nocap"):
+                if same_schedule(cs, "dsde", "dsde-nocap"):
                     out.append((name, f"identical step schedules: the cap never bound (sequences still in warm-up)"
                                       f"{note}", None))
                 else:

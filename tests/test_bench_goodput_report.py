@@ -27,15 +27,15 @@ def test_low_acceptance_cell_is_judged_against_target_only() -> None:
 
 
 def test_a_low_acceptance_cell_where_it_drafted_nothing_says_the_work_was_target_onlys() -> None:
-    """Where dsde-goodput drafted nothing its forwards are target-only's: the figure says a gap is timing, and the
-    target is still judged by tokens/s."""
+    """Where dsde-goodput ran target-only's step schedule (it drafted nothing) the figure says a gap is timing, and
+    the target is still judged by tokens/s."""
     cells = [_cell("mixed", 1, "off", 10.0), _cell("mixed", 1, "static:1", 8.0), _cell("mixed", 1, "dsde", 7.0),
              _cell("mixed", 1, "dsde-goodput", 9.5)]
-    for c, (t, d) in zip(cells, ((1.0, 0.0), (0.9, 0.9), (0.9, 2.0), (1.0, 0.0)), strict=True):
-        c["metrics"].update(target_fwd_per_tok=t, draft_fwd_per_tok=d)
+    for c, sl in zip(cells, ([0, 0, 0], [1, 1], [3, 2], [0, 0, 0]), strict=True):
+        c["requests"] = [{"sl": sl}]
     [(_, figure, ok)] = goodput_report.targets({"goodput_weak": _doc(cells)})
     assert ok is False and "0.950x" in figure and "drafted nothing" in figure
-    cells[-1]["metrics"]["draft_fwd_per_tok"] = 0.1  # it drafted: no such remark
+    cells[-1]["requests"] = [{"sl": [0, 1, 0]}]  # it drafted once: no such remark
     assert "drafted nothing" not in goodput_report.targets({"goodput_weak": _doc(cells)})[0][1]
 
 

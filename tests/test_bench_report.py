@@ -84,7 +84,7 @@ def test_timing_noise_and_identical_schedules() -> None:
              _cell("code", "off", 4.0, 5.0, requests=[{"sl": [0, 0]}])]
     rel, what = report.timing_noise(cells)
     assert rel == 0.5 and "dsde" in what
-    assert report._same_schedule(cells, "dsde", "dsde-nocap")
+    assert report.same_schedule(cells, "dsde", "dsde-nocap")
     for c in cells:
         c["batch"] = 4
     t = report.bench_targets({"cells": cells})
