@@ -197,8 +197,10 @@ def _where(doc: dict[str, Any]) -> str:
     are), and a figure describes the code it was measured with."""
     meta = doc.get("meta", {})
     cpu, created, code = meta.get("machine", {}).get("cpu"), meta.get("created", "")[:10], meta.get("code") or {}
-    commit = code.get("commit", "")[:7] + (" with modified code" if code.get("modified") else "") if code else ""
-    return "".join(f", {x}" for x in (cpu, created, commit and f"commit {commit}") if x)
+    commit = code.get("commit", "")[:7]
+    if commit:
+        commit = f"commit {commit}" + (" with modified code" if code.get("modified") else "")
+    return "".join(f", {x}" for x in (cpu, created, commit) if x)
 
 
 def section(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
