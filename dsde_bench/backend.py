@@ -8,11 +8,9 @@ as transformers models.
 from __future__ import annotations
 
 import platform
-import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,21 +60,6 @@ def machine_info() -> dict[str, Any]:
     except (OSError, ValueError, IndexError):
         pass
     return info
-
-
-def code_version() -> dict[str, Any] | None:
-    """The commit the figures were measured with, and whether code differed from it (changes under results/ and to
-    BENCHMARKS.md do not count: a grid of several runs writes them as it goes); None outside a git checkout."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!results",
-                                  ":!BENCHMARKS.md"], cwd=root, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if commit.returncode != 0 or changed.returncode != 0:
-        return None
-    return {"commit": commit.stdout.strip(), "modified": bool(changed.stdout.strip())}
 
 
 def _cpu_count() -> int | None:

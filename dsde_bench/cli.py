@@ -138,7 +138,8 @@ def command_line(argv: list[str] | None = None) -> str:
 
 
 def _meta(plots: list[Path] | None = None) -> dict[str, Any]:
-    from dsde_bench.backend import code_version, machine_info
+    from dsde_bench.backend import machine_info
+    from dsde_bench.provenance import code_version
 
     return {"command": command_line(), "machine": machine_info(), "code": code_version(),
             "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),

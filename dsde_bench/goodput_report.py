@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from dsde_bench.provenance import POLICY_CODE, contains, last_change
 from dsde_bench.report import cells_table, fmt, groups, md_table, same_schedule
 
 POLICY = "dsde-goodput"
@@ -203,6 +204,22 @@ def _where(doc: dict[str, Any]) -> str:
     return "".join(f", {x}" for x in (cpu, created, commit) if x)
 
 
+def _stale(docs: dict[str, dict[str, Any]]) -> str:
+    """A paragraph naming the runs measured before the policy code last changed ("" when none, or outside git): a
+    figure describes the code it was measured with."""
+    change = last_change()
+    if change is None:
+        return ""
+    commit, date = change
+    old = [n for n, d in docs.items() if not contains((d.get("meta", {}).get("code") or {}).get("commit"), commit)]
+    if not old:
+        return ""
+    return (f"\n\nThe speculation policies (`{POLICY_CODE}/`) last changed in commit {commit[:7]} ({date}); "
+            f"{', '.join(f'`{n}`' for n in old)} {'was' if len(old) == 1 else 'were'} measured before it (or record "
+            "no commit), so their dsde-goodput figures describe an earlier version of the policy. Re-measuring them "
+            "takes `make bench-goodput` and `make bench-sim`.")
+
+
 def section(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
     if not docs and not sim:
         return ""
@@ -211,6 +228,7 @@ def section(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
     met = sum(1 for *_, ok in tg if ok)
     runs = "\n".join(f"- `{n}`: `{d.get('meta', {}).get('command', '?')}` ({fmt(d.get('elapsed_s'), '.0f')} s"
                      f"{_where(d)})" for n, d in docs.items())
+    runs += _stale({**docs, **({"simulate": sim} if sim else {})})
     tables = "\n\n".join(f"#### {n}: {w}, T={t:g}, batch {b}\n\n{cells_table(cs)}"
                          for n, d in docs.items()
                          for (w, t, b), cs in groups(d["cells"], ("workload", "temperature", "batch")).items())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsde_bench import goodput_report
+from dsde_bench import goodput_report, provenance
 
 
 def _cell(w: str, b: int, policy: str, tok_s: float, t: float = 0.0, **extra: Any) -> dict[str, Any]:
@@ -120,3 +120,19 @@ def test_the_section_names_each_runs_machine_and_date() -> None:
     assert "(1 s, 2026-11-25, commit f58f5c4)" in goodput_report.section({"bench": doc}, None)
     doc["meta"]["code"]["modified"] = True
     assert "(1 s, 2026-11-25, commit f58f5c4 with modified code)" in goodput_report.section({"bench": doc}, None)
+
+
+def test_the_section_names_runs_measured_before_the_policy_code_last_changed() -> None:
+    """A figure describes the code it was measured with: runs whose commit predates the last change to the policies
+    (or that record none) are named as such; a run at that change or after it is not."""
+    change = provenance.last_change()
+    assert change is not None  # this checkout's history (CI clones it too)
+    commit, date = change
+    old, new = (_doc([_cell("code", 1, "off", 10.0), _cell("code", 1, "dsde-goodput", 12.0)]) for _ in range(2))
+    new["meta"] = {"code": {"commit": provenance.code_version()["commit"], "modified": False}}
+    text = goodput_report.section({"goodput_old": old, "goodput_new": new}, None)
+    assert f"last changed in commit {commit[:7]} ({date}); `goodput_old` was measured before it" in text
+    assert "`goodput_new`" not in text.split("last changed in commit")[1]
+    assert "last changed" not in goodput_report.section({"goodput_new": new}, None)
+    assert provenance.contains(commit, commit) and not provenance.contains(None, commit)
+    assert not provenance.contains("0" * 40, commit)  # a commit this checkout lacks

@@ -1,0 +1,44 @@
+"""Which code a figure was measured with: the commit of a run, and whether the code has changed since (git)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+
+def _git(*args: str) -> subprocess.CompletedProcess[str] | None:
+    """A git command in this checkout; None where git cannot run."""
+    try:
+        return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent.parent, capture_output=True,
+                              text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def code_version() -> dict[str, Any] | None:
+    """The commit the figures were measured with, and whether code differed from it (changes under results/ and to
+    BENCHMARKS.md do not count: a grid of several runs writes them as it goes); None outside a git checkout."""
+    commit = _git("rev-parse", "HEAD")
+    changed = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!results", ":!BENCHMARKS.md")
+    if commit is None or changed is None or commit.returncode != 0 or changed.returncode != 0:
+        return None
+    return {"commit": commit.stdout.strip(), "modified": bool(changed.stdout.strip())}
+
+
+POLICY_CODE = "dsde_core/policies"
+
+
+def last_change(path: str = POLICY_CODE) -> tuple[str, str] | None:
+    """(commit, date) of the last commit that changed `path`; None outside a git checkout."""
+    out = _git("log", "-1", "--format=%H %cs", "--", path)
+    if out is None or out.returncode != 0 or not out.stdout.strip():
+        return None
+    commit, date = out.stdout.split()
+    return commit, date
+
+
+def contains(commit: str | None, change: str) -> bool:
+    """Whether the code at `commit` includes commit `change` (False for no commit, or one this checkout lacks)."""
+    out = _git("merge-base", "--is-ancestor", change, commit) if commit else None
+    return out is not None and out.returncode == 0
