@@ -20,11 +20,11 @@ class RecordingPolicy(SpeculationPolicy):
         self.series: dict[str, list[dict[str, Any]]] = {}
         self.step = 0
 
-    def plan(self, seqs: Sequence[SeqInfo], costs: StepCosts | None = None) -> list[Plan]:
+    def plan(self, seqs: Sequence[SeqInfo], costs: StepCosts | None = None, waiting: int = 0) -> list[Plan]:
         for s in seqs:
             if s.req_id not in self.series and len(self.series) < self.watch:
                 self.series[s.req_id] = []
-        return self.inner.plan(seqs, costs)
+        return self.inner.plan(seqs, costs, waiting)
 
     def observe(self, feedback: Sequence[StepFeedback]) -> None:
         self.inner.observe(feedback)

@@ -323,7 +323,7 @@ class OraclePolicy(SpeculationPolicy):
     def __init__(self) -> None:
         self.lookahead: dict[str, int] = {}
 
-    def plan(self, seqs: Sequence[SeqInfo], costs: StepCosts | None = None) -> list[Plan]:
+    def plan(self, seqs: Sequence[SeqInfo], costs: StepCosts | None = None, waiting: int = 0) -> list[Plan]:
         return [Plan(k=clamp_k(self.lookahead.get(s.req_id, 0), s.max_k)) for s in seqs]
 
     def observe(self, feedback: Sequence[StepFeedback]) -> None:
@@ -441,7 +441,7 @@ def _replay(trace: Trace, planner: SpeculationPolicy, pol: SpeculationPolicy, ba
         infos = [SeqInfo(r.rid, 0.0, max(0, min(cap_sl, limit - r.out - 1)), n, limit - r.out, _draft_lag(r))
                  for r, n in zip(running, pending, strict=True)]
         plans = planner.plan(infos, costs.estimate(len(infos), sum(pending) + sum(i.max_k for i in infos))
-                             if costs is not None else None)
+                             if costs is not None else None, len(todo))
         ks = _draft_levels(running, plans, [min(p.k, i.max_k) for p, i in zip(plans, infos, strict=True)])
         fbs = []
         for r, p, k, info in zip(running, plans, ks, infos, strict=True):
@@ -470,7 +470,7 @@ def _draft_levels(running: list[_Live], plans: Sequence[Plan], caps: Sequence[in
     cap, at its AdaEDL confidence stop, or where the batch's DraftStop ends it. Returns the tokens each proposed."""
     stop = next((p.stop for p in plans if p.stop is not None), None)
     n = [0] * len(running)
-    reach = [1.0] * len(running)
+    reach = [p.worth for p in plans]
     live = [i for i, c in enumerate(caps) if c > 0]
     drafted = level = 0
     while live:

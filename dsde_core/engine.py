@@ -165,7 +165,7 @@ class Engine:
         infos = [SeqInfo(r.req_id, r.params.temperature, self._max_k(r), self._pending(r), r.remaining(),
                          r.draft_context(drafting=True)) for r in self.running]
         costs = self.costs.estimate(len(infos), sum(i.pending + i.max_k for i in infos))
-        plans = self.policy.plan(infos, costs)
+        plans = self.policy.plan(infos, costs, len(self.waiting))
         return {i.req_id: replace(p, k=min(p.k, i.max_k)) for i, p in zip(infos, plans, strict=True)}
 
     @staticmethod
@@ -210,7 +210,7 @@ class Engine:
             ride = lag > 0 and r.synced_draft > 0 and (drafting or lag >= self.config.draft_max_lag)
             if plan.k > 0 or ride or self.config.draft_catch_up:
                 tasks.append(DraftTask(r.slot, r.tokens[r.synced_draft:], plan.k, plan.min_confidence, plan.p_next,
-                                       plan.accept_model))
+                                       plan.accept_model, plan.worth))
                 reqs.append(r)
                 self._draft_context += r.draft_context(drafting=plan.k > 0)  # a prefill's or a catch-up's
                 r.synced_draft = r.num_tokens

@@ -42,6 +42,7 @@ class DraftTask:
     min_confidence: float | None = None  # stop after token t when 1 - sqrt(0.1 * H(q_t)) < min_confidence
     p_next: float | None = None  # the batch's DraftStop decides when this row stops (see Plan.p_next)
     accept_model: tuple[float, float] = (0.0, 1.0)  # this row's acceptance model in the DraftStop
+    worth: float = 1.0  # what a token of this row is worth in the DraftStop (see Plan.worth)
 
 
 @dataclass
@@ -137,7 +138,7 @@ class DraftWorker(_Worker):
         cost-aware rule, for rows with p_next) ends it. Each level is one forward of the rows still drafting."""
         feeds = {t.slot: self._sync(t.slot, t.new_tokens) for t in tasks}
         out = {t.slot: Proposal(t.slot, [], []) for t in tasks}
-        reach = {t.slot: 1.0 for t in tasks}  # pi: the chance that every token drafted so far is accepted
+        reach = {t.slot: t.worth for t in tasks}  # w * pi, pi: the chance that every token drafted so far is accepted
         # sequences with k = 0 only catch up: feed all but the last committed token, which the next step feeds
         catch_up = [t for t in tasks if t.k == 0 and len(feeds[t.slot]) > 1]
         live = [t for t in tasks if t.k > 0]

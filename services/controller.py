@@ -66,7 +66,7 @@ class Controller(SpeculationPolicy):
         return True
 
     # ---- the policy interface ------------------------------------------------------------------------
-    def plan(self, seqs: Sequence[SeqInfo], costs: StepCosts | None = None) -> list[Plan]:
+    def plan(self, seqs: Sequence[SeqInfo], costs: StepCosts | None = None, waiting: int = 0) -> list[Plan]:
         groups: dict[int, list[int]] = {}
         for i, seq in enumerate(seqs):
             gen_id = self._bound.get(seq.req_id)
@@ -82,7 +82,7 @@ class Controller(SpeculationPolicy):
                 continue
             ceiling = gen.config.max_sl
             sub = [seqs[i] if ceiling is None else replace(seqs[i], max_k=min(seqs[i].max_k, ceiling)) for i in idx]
-            for i, p in zip(idx, gen.policy.plan(sub, costs), strict=True):
+            for i, p in zip(idx, gen.policy.plan(sub, costs, waiting), strict=True):
                 plans[i] = p
         return plans  # type: ignore[return-value]  # every index belongs to exactly one group
 

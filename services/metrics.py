@@ -208,8 +208,8 @@ class ObservedPolicy(SpeculationPolicy):
         if self.load is not None:
             self.metrics.on_load(*self.load())
 
-    def plan(self, seqs: Sequence[SeqInfo], costs: StepCosts | None = None) -> list[Plan]:
-        plans = self.inner.plan(seqs, costs)
+    def plan(self, seqs: Sequence[SeqInfo], costs: StepCosts | None = None, waiting: int = 0) -> list[Plan]:
+        plans = self.inner.plan(seqs, costs, waiting)
         self._record_load()
         if costs is not None:
             self.metrics.on_costs(costs)

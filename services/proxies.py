@@ -118,8 +118,8 @@ class ControllerProxy(_ActorCalls, SpeculationPolicy):
     name = "controller"
     role = "policy"
 
-    def plan(self, seqs: Sequence[SeqInfo], costs: StepCosts | None = None) -> list[Plan]:
-        return self._get(self.actor.plan.remote(list(seqs), costs))
+    def plan(self, seqs: Sequence[SeqInfo], costs: StepCosts | None = None, waiting: int = 0) -> list[Plan]:
+        return self._get(self.actor.plan.remote(list(seqs), costs, waiting))
 
     def observe(self, feedback: Sequence[StepFeedback]) -> Any:
         return self._get(self.actor.observe.remote(list(feedback)))  # the controller's Telemetry

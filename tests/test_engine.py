@@ -163,7 +163,7 @@ def test_bad_requests_are_refused_with_a_clear_error(prompt, params) -> None:
 
 def test_min_confidence_stops_the_draft_early() -> None:
     class EarlyStop(StaticPolicy):
-        def plan(self, seqs, costs=None):  # almost no draft token is that confident
+        def plan(self, seqs, costs=None, waiting=0):  # almost no draft token is that confident
             return [Plan(min(8, s.max_k), min_confidence=0.999) for s in seqs]
 
     engine = tiny_engine(EarlyStop(8), batch=2)
@@ -178,6 +178,24 @@ def test_adaedl_lossless_and_shortens_drafts(reference: list[list[int]]) -> None
     assert any(0 < k < 10 for r in reqs for k in r.stats.sl[:-1])
 
 
+def test_the_policy_is_told_how_many_requests_wait_for_a_slot() -> None:
+    """plan(..., waiting): the requests queued behind a full batch, 0 once the batch only shrinks."""
+    seen: list[tuple[int, int]] = []  # per plan: (running, waiting)
+
+    class Record(StaticPolicy):
+        def plan(self, seqs, costs=None, waiting=0):
+            seen.append((len(seqs), waiting))
+            return super().plan(seqs, costs, waiting)
+
+    engine = tiny_engine(Record(), batch=2)
+    _add(engine, random_prompts(3, seed=2), [4, 12, 12])
+    while engine.has_unfinished():
+        engine.step()
+    assert seen[0] == (2, 1)  # the third request waits until the first finishes
+    assert (2, 0) in seen and seen[-1][1] == 0 and all(w in (0, 1) for _, w in seen)
+    assert seen.index((2, 0)) > 0 and all(w == 1 for _, w in seen[:seen.index((2, 0))])
+
+
 def test_the_policy_is_told_what_the_draft_has_not_seen() -> None:
     """SeqInfo.draft_lag: a sequence whose draft cache is empty would prefill its whole context (all tokens but the
     last) once it drafts; one that has drafted is in step with its draft (0). The draft's prefill is deferred to
@@ -185,7 +203,7 @@ def test_the_policy_is_told_what_the_draft_has_not_seen() -> None:
     seen: list[list[int]] = []  # per plan: each sequence's draft_lag
 
     class Alternate(StaticPolicy):
-        def plan(self, seqs, costs=None):
+        def plan(self, seqs, costs=None, waiting=0):
             seen.append([s.draft_lag for s in seqs])
             return [Plan(k=2 if len(seen) % 3 == 0 and s.max_k else 0) for s in seqs]
 

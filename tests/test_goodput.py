@@ -129,7 +129,7 @@ CPU = _costs()
 
 
 def test_policy_switches_off_probes_on_a_shared_schedule_and_comes_back() -> None:
-    cfg = GoodputConfig(probe_every=4, probe_max=16)
+    cfg = GoodputConfig(probe_every=4, probe_max=16, explore_steps=4)  # the lone sequence is the pool's evidence
     pol = GoodputPolicy(cfg)
     seqs = [SeqInfo("r", 0.0, 10)]
     ks = []
@@ -208,9 +208,9 @@ def test_a_sequence_with_a_cold_draft_cache_waits_longest_for_its_first_probe() 
 
 
 def _with_evidence(costs: StepCosts) -> GoodputPolicy:
-    """A policy whose pool has seen 8 drafting steps of an earlier request: its first token was accepted every
-    other step (the pool's priors then weigh half)."""
-    pol, seqs = GoodputPolicy(), [SeqInfo("earlier", 0.0, 8)]
+    """A policy whose pool has seen 8 drafting steps of an earlier request, and explores no more: its first token
+    was accepted every other step (the pool's priors then weigh half)."""
+    pol, seqs = GoodputPolicy(GoodputConfig(explore_steps=8)), [SeqInfo("earlier", 0.0, 8)]
     for step in range(8):
         plans = pol.plan(seqs, costs)
         assert plans[0].k > 0
@@ -237,18 +237,48 @@ def test_a_draft_prefill_is_weighed_against_the_tokens_left() -> None:
 def test_an_empty_pool_explores_with_its_cheapest_row() -> None:
     """Before any sequence has drafted, the pool holds only its priors, and a plan where no row pays its prefill
     would never draft, so never learn. Then one row drafts, the one whose draft prefill is cheapest; once the pool
-    holds pool_weight drafting steps, rows that do not pay stay off."""
+    holds explore_steps drafting steps, rows that do not pay stay off."""
     cfg = GoodputConfig(probe_every=64, probe_max=64)
     costs = StepCosts(4, CPU.verify_table, CPU.draft_table, context_per_token_s=0.001)
     pol, lags, drafting = GoodputPolicy(cfg), [500, 300, 400, 600], []
-    for _ in range(10):  # nothing is accepted
+    n = cfg.explore_steps
+    for _ in range(n + 6):  # nothing is accepted
         seqs = [SeqInfo(f"r{i}", 0.0, 8, remaining=20, draft_lag=lag) for i, lag in enumerate(lags)]
         plans = pol.plan(seqs, costs)
         drafting.append([i for i, p in enumerate(plans) if p.k > 0])
         _feed(pol, plans, seqs, lambda k: 0, conf=0.5)
         lags = [0 if p.k > 0 else lag for p, lag in zip(plans, lags, strict=True)]  # a row that drafted is in step
-    n = int(cfg.pool_weight)
-    assert drafting[:n] == [[1]] * n and drafting[n:] == [[]] * (10 - n)  # row 1: the smallest prefill
+    assert drafting[:n] == [[1]] * n and drafting[n:] == [[]] * 6  # row 1: the smallest prefill
+
+
+def test_a_closed_batch_weighs_each_rows_tokens_by_its_remaining_steps() -> None:
+    """With requests waiting every token is worth the same (w = 1); with none the batch only shrinks, and a row's
+    tokens are worth its expected remaining steps S_i = remaining_i / (1 + e_i) against the batch's mean."""
+    cheap = _costs(batch=3, draft=lambda n: 0.005)  # every row drafts
+    seqs = [SeqInfo("long", 0.0, 8, remaining=60), SeqInfo("short", 0.0, 8, remaining=12),
+            SeqInfo("mid", 0.0, 8, remaining=36)]
+    assert [p.worth for p in GoodputPolicy().plan(seqs, cheap, waiting=2)] == [1.0, 1.0, 1.0]
+    plans = GoodputPolicy().plan(seqs, cheap, waiting=0)
+    assert all(p.k == 8 for p in plans)  # equal states, so S_i is proportional to remaining_i
+    assert [p.worth for p in plans] == pytest.approx([60 / 36, 12 / 36, 1.0])
+    # e_i counts: a row that drafts well has fewer steps left than its tokens say
+    pol = _with_evidence(cheap)
+    pol.plan([SeqInfo("good", 0.0, 8, remaining=40)], cheap)
+    _feed(pol, pol.plan([SeqInfo("good", 0.0, 8, remaining=40)], cheap), [SeqInfo("good", 0.0, 8, 1, 40)],
+          lambda k: k, conf=0.99)
+    two = [SeqInfo("good", 0.0, 8, remaining=40), SeqInfo("new", 0.0, 8, remaining=40)]
+    good, new = pol.plan(two, cheap)
+    assert good.worth < 1.0 < new.worth and good.worth + new.worth == pytest.approx(2.0)
+
+
+def test_in_a_closed_batch_the_row_about_to_finish_stops_drafting() -> None:
+    """With requests waiting, both rows' tokens pay for their share of the draft and verify work. With none, the
+    batch ends when the long row does, which the short row's drafting does not move: it stays off, the long row
+    drafts."""
+    costs = _costs(batch=2, draft=lambda n: 0.04 + 0.005 * (n - 1))
+    seqs = [SeqInfo("long", 0.0, 8, remaining=48), SeqInfo("short", 0.0, 8, remaining=4)]
+    assert [p.k for p in _with_evidence(costs).plan(seqs, costs, waiting=1)] == [8, 8]
+    assert [p.k for p in _with_evidence(costs).plan(seqs, costs, waiting=0)] == [8, 0]
 
 
 def test_plans_carry_the_batch_rule_and_each_rows_model() -> None:
@@ -298,8 +328,12 @@ def test_policy_contract_and_config_errors() -> None:
         GoodputConfig(prior_pbar=1.0)
     with pytest.raises(ConfigError, match="start_weight must be > 0"):
         GoodputConfig(start_weight=0.0)
+    with pytest.raises(ConfigError, match="explore_steps must be >= 0"):
+        GoodputConfig(explore_steps=-1)
     with pytest.raises(ValueError, match="p_next"):
         Plan(3, p_next=1.5)
+    with pytest.raises(ValueError, match="worth"):
+        Plan(3, worth=-1.0)
 
 
 def test_online_cost_model_learns_a_verify_cost_that_jumps() -> None:
@@ -434,7 +468,7 @@ class _Toggle(SpeculationPolicy):
     def __init__(self, off: range) -> None:
         self.off, self.n = off, 0
 
-    def plan(self, seqs, costs=None):
+    def plan(self, seqs, costs=None, waiting=0):
         self.n += 1
         return [Plan(0 if self.n in self.off else min(3, s.max_k)) for s in seqs]
 
@@ -481,8 +515,8 @@ class _PerRequestOff(SpeculationPolicy):
     def __init__(self, inner: _Toggle, req_id: str) -> None:
         self.inner, self.req_id = inner, req_id
 
-    def plan(self, seqs, costs=None):
-        toggled = self.inner.plan(seqs, costs)
+    def plan(self, seqs, costs=None, waiting=0):
+        toggled = self.inner.plan(seqs, costs, waiting)
         return [t if s.req_id == self.req_id else Plan(min(3, s.max_k)) for s, t in zip(seqs, toggled, strict=True)]
 
     def observe(self, feedback):
@@ -526,7 +560,8 @@ def test_one_rejected_first_token_does_not_switch_a_new_sequence_off() -> None:
     rejected first token (at T=1 a likely draw even from a good draft) moves p_first a fifth of the way to 0, and
     the sequence goes on drafting; a run of them switches it off."""
     def drafting_steps(start_weight: float) -> int:
-        pol, seqs, ks = GoodputPolicy(GoodputConfig(start_weight=start_weight)), [SeqInfo("s", 1.0, 8)], []
+        cfg = GoodputConfig(start_weight=start_weight, explore_steps=4)  # the lone sequence is the pool's evidence
+        pol, seqs, ks = GoodputPolicy(cfg), [SeqInfo("s", 1.0, 8)], []
         for _ in range(12):
             plans = pol.plan(seqs, CPU)
             ks.append(plans[0].k)

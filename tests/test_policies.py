@@ -395,7 +395,7 @@ class _Scripted(SpeculationPolicy):
     def __init__(self, ks: dict[str, int], cappable: set[str]) -> None:
         self.ks, self._cappable = ks, cappable
 
-    def plan(self, seqs: Sequence[SeqInfo], costs: object = None) -> list[Plan]:
+    def plan(self, seqs: Sequence[SeqInfo], costs: object = None, waiting: int = 0) -> list[Plan]:
         return [Plan(k=min(self.ks[s.req_id], s.max_k), min_confidence=0.3) for s in seqs]
 
     def observe(self, feedback: Sequence[StepFeedback]) -> None:

@@ -14,6 +14,7 @@ Contract every policy keeps:
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -68,6 +69,8 @@ class Plan:
     """This row's acceptance model in the stop rule: p = sigmoid(a + s * logit(confidence)), (a, s)."""
     stop: DraftStop | None = None
     """The batch's stop rule; the same object in every plan of a step (None when no row uses it)."""
+    worth: float = 1.0
+    """What one of this row's output tokens is worth in the stop rule, against the batch's mean of 1."""
 
     def __post_init__(self) -> None:
         if self.k < 0:
@@ -76,6 +79,8 @@ class Plan:
             raise ValueError(f"Plan.min_confidence must be in [0, 1] or None, got {self.min_confidence}")
         if self.p_next is not None and not 0.0 <= self.p_next <= 1.0:
             raise ValueError(f"Plan.p_next must be in [0, 1] or None, got {self.p_next}")
+        if not (self.worth >= 0 and math.isfinite(self.worth)):
+            raise ValueError(f"Plan.worth must be finite and >= 0, got {self.worth}")
 
 
 @dataclass(frozen=True)
@@ -143,9 +148,10 @@ class SpeculationPolicy(ABC):
     """Whether it learns across requests (estimates pooled over sequences): a benchmark may warm it up first."""
 
     @abstractmethod
-    def plan(self, seqs: Sequence[SeqInfo], costs: StepCosts | None = None) -> list[Plan]:
+    def plan(self, seqs: Sequence[SeqInfo], costs: StepCosts | None = None, waiting: int = 0) -> list[Plan]:
         """One Plan per seq, same order. Called once per engine step with ALL running sequences.
-        costs: the engine's step-cost model at this batch size (cost-aware policies use it; others ignore it)."""
+        costs: the engine's step-cost model at this batch size (cost-aware policies use it; others ignore it).
+        waiting: requests queued for a slot (0: the batch only shrinks until new requests arrive)."""
 
     @abstractmethod
     def observe(self, feedback: Sequence[StepFeedback]) -> None:
@@ -193,7 +199,7 @@ class PerRequestPolicy(SpeculationPolicy, Generic[S]):
     def _stats(self, state: S) -> dict[str, float]:
         return {}
 
-    def plan(self, seqs: Sequence[SeqInfo], costs: StepCosts | None = None) -> list[Plan]:
+    def plan(self, seqs: Sequence[SeqInfo], costs: StepCosts | None = None, waiting: int = 0) -> list[Plan]:
         plans = []
         for seq in seqs:
             state = self._states.get(seq.req_id)

@@ -33,8 +33,8 @@ class CappedPolicy(SpeculationPolicy):
         self.last_capped: frozenset[str] = frozenset()
         """req_ids whose k the cap lowered in the last plan."""
 
-    def plan(self, seqs: Sequence[SeqInfo], costs: StepCosts | None = None) -> list[Plan]:
-        raw = self.inner.plan([replace(s, max_k=UNBOUNDED_K) for s in seqs], costs)
+    def plan(self, seqs: Sequence[SeqInfo], costs: StepCosts | None = None, waiting: int = 0) -> list[Plan]:
+        raw = self.inner.plan([replace(s, max_k=UNBOUNDED_K) for s in seqs], costs, waiting)
         cappable = [self.inner.cappable(s.req_id) for s in seqs]
         wanted = [p.k for p, c in zip(raw, cappable, strict=True) if c]
         # SL_cap = ceil(mean SL_hat) over the cappable sequences, in integers: ceil(a / b) = -(-a // b).

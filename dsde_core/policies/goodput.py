@@ -28,12 +28,20 @@ Four estimates, all learnt online:
 
 The plan, level 0 of the stop rule: with the first token's acceptance p_first_i and pbar_i for the tokens after it,
 the batch's DraftStop picks the sequences that draft a first token (and so the number that do: none, when no
-draft pays). While the pool holds fewer than pool_weight drafting steps and no row is picked, the row whose draft
-prefill is cheapest drafts anyway: on the priors alone a batch may never draft, and so never learn that it pays.
+draft pays). While the pool holds fewer than explore_steps (16) drafting steps and no row is picked, the row whose
+draft prefill is cheapest drafts anyway: on the priors alone a batch may never draft, and so never learn that it pays.
+Four steps were too few: at T=1 four first-token draws (standard error ~0.2) could leave the pooled p_first at 0.66
+where the draft's was 0.78, and once the pool says off nothing corrects it for short requests (a cold row probes only
+with probe_max tokens left).
 A sequence whose draft cache is empty (lag_i context tokens: the engine defers a draft's prefill until
 the sequence drafts) also pays its prefill once it drafts; the rule charges it this step's share,
     fixed_i = C * lag_i * (1 + e_i) / remaining_i,     e_i = p_first_i * sum_{m<k_i} pbar_i^m
 (the prefill spread over the steps its remaining tokens take while it drafts, e_i accepted tokens a step).
+Tokens are worth the same in every row while requests wait for a slot (a freed slot is filled at once). With none
+waiting the batch only shrinks, and its time is set by the row that finishes last: then the stop rule weighs row i's
+gains by w_i = S_i / mean_j S_j, with S_i = remaining_i / (1 + e_i) its expected remaining steps, so that the row on
+the critical path keeps drafting where a row that will finish early anyway stops (a closed batch's tail: without
+it, the rule could switch off the row that then finishes alone, at batch 1).
 The sequences picked get k = their engine ceiling, p_next = pbar_i and their acceptance model; the draft worker
 applies the same rule after every level with the confidences it sees (the SL and its cap are consequences of the
 costs). A sequence not picked drafts nothing (its draft cache still advances with the committed tokens: the
@@ -69,6 +77,7 @@ class GoodputConfig:
     rho: float = 0.9  # per drafting step, of a sequence's p_first and pbar (memory ~10 steps)
     pool_rate: float = 0.05  # per drafting step of any sequence, of the pooled means new sequences start from
     pool_weight: float = 4.0  # the pooled means' priors count as this many drafting steps
+    explore_steps: int = 16  # the pool explores until it holds this many drafting steps (see the module doc)
     start_weight: float = 4.0  # a sequence's pooled start counts as this many of its own drafting steps
     prior_first: float = 0.7  # pooled p_first and pbar before any step
     prior_pbar: float = 0.7
@@ -89,6 +98,7 @@ class GoodputConfig:
             (0.0 <= self.rho < 1.0, f"rho must be in [0, 1), got {self.rho}"),
             (0.0 < self.pool_rate <= 1.0, f"pool_rate must be in (0, 1], got {self.pool_rate}"),
             (self.pool_weight > 0, f"pool_weight must be > 0, got {self.pool_weight}"),
+            (self.explore_steps >= 0, f"explore_steps must be >= 0, got {self.explore_steps}"),
             (self.start_weight > 0, f"start_weight must be > 0, got {self.start_weight}"),
             (0.0 < self.prior_pbar < 1.0, f"prior_pbar must be in (0, 1), got {self.prior_pbar}"),
             (0.0 < self.prior_first < 1.0, f"prior_first must be in (0, 1), got {self.prior_first}"),
@@ -194,7 +204,7 @@ class GoodputPolicy(SpeculationPolicy):
         self._speedup = SpeedupByBatch(cfg.speedup_rate, cfg.speedup_start)
 
     # ---- the policy interface ----------------------------------------------------------------------------
-    def plan(self, seqs: Sequence[SeqInfo], costs: StepCosts | None = None) -> list[Plan]:
+    def plan(self, seqs: Sequence[SeqInfo], costs: StepCosts | None = None, waiting: int = 0) -> list[Plan]:
         cfg = self.config
         self._plans += 1
         if not seqs:
@@ -213,14 +223,15 @@ class GoodputPolicy(SpeculationPolicy):
         ks = [min(s.max_k, cfg.max_sl) for s in seqs]
         # level 0: the stop rule on the first token, whose acceptance is p_first (the tokens after it: pbar)
         rows = [i for i, k in enumerate(ks) if k > 0]
-        reach = [states[i].p_first / max(states[i].pbar, 1e-6) for i in rows]
+        worth = self._worth(seqs, states, ks, waiting)
+        reach = [worth[i] * states[i].p_first / max(states[i].pbar, 1e-6) for i in rows]
         pbar, room = [states[i].pbar for i in rows], [ks[i] for i in rows]
         fixed = [self._prefill_share(seqs[i], states[i], ks[i], costs) for i in rows]
         stop = DraftStop(costs, base, self._speedup.get(len(seqs)) * len(seqs) / costs.verify(len(seqs)))
         stop = replace(stop, goodput=stop.step_goodput(reach, pbar, room, len(seqs), fixed=fixed))
         go = stop.next_level(reach, pbar, room, 0, fixed=fixed)
         chosen = {i for i, g in zip(rows, go, strict=True) if g}
-        if not chosen and rows and self._pooled < cfg.pool_weight:  # the pool has no evidence yet: explore with
+        if not chosen and rows and self._pooled < cfg.explore_steps:  # the pool has little evidence: explore with
             # the row whose draft prefill is cheapest (what it learns serves every later request)
             chosen = {min(rows, key=lambda i: seqs[i].draft_lag)}
         plans = []
@@ -245,7 +256,7 @@ class GoodputPolicy(SpeculationPolicy):
                     k = 0
             st.last_k = k
             model = self._models[st.greedy].row_model(st.x)
-            plans.append(Plan(k, p_next=st.pbar, accept_model=model, stop=stop) if k > 0 else Plan(0))
+            plans.append(Plan(k, p_next=st.pbar, accept_model=model, stop=stop, worth=worth[i]) if k > 0 else Plan(0))
         return plans
 
     def observe(self, feedback: Sequence[StepFeedback]) -> None:
@@ -291,6 +302,19 @@ class GoodputPolicy(SpeculationPolicy):
                 "w_conf": float(w[1]), "w_instability": float(w[2])}
 
     # ---- internals -----------------------------------------------------------------------------------------
+    @staticmethod
+    def _worth(seqs: Sequence[SeqInfo], states: Sequence[_State], ks: Sequence[int], waiting: int) -> list[float]:
+        """w_i, what a token of row i is worth against the batch's mean of 1. With requests waiting, every token is
+        worth the same (a freed slot is filled at once). With none, the batch only shrinks and its time is set by the
+        row that finishes last, so a row's tokens are worth its expected remaining steps against the batch's mean:
+            w_i = S_i / mean_j S_j,     S_i = remaining_i / (1 + e_i),     e_i = p_first_i * sum_{m<k_i} pbar_i^m"""
+        if waiting > 0 or len(seqs) < 2 or any(s.remaining is None for s in seqs):
+            return [1.0] * len(seqs)
+        steps = [s.remaining / (1 + st.p_first * sum(st.pbar ** m for m in range(k)))
+                 for s, st, k in zip(seqs, states, ks, strict=True)]
+        mean = sum(steps) / len(steps)
+        return [x / mean for x in steps] if mean > 0 else [1.0] * len(seqs)
+
     @staticmethod
     def _prefill_share(seq: SeqInfo, st: _State, k: int, costs: StepCosts) -> float:
         """This step's share of the draft prefill a sequence with an empty draft cache pays when it drafts: C * lag

@@ -32,7 +32,7 @@ class StaticPolicy(SpeculationPolicy):
         self.config = config if isinstance(config, StaticConfig) else StaticConfig(k=config)
         self.name = f"static:{self.config.k}"
 
-    def plan(self, seqs: Sequence[SeqInfo], costs: StepCosts | None = None) -> list[Plan]:
+    def plan(self, seqs: Sequence[SeqInfo], costs: StepCosts | None = None, waiting: int = 0) -> list[Plan]:
         return [Plan(k=clamp_k(self.config.k, s.max_k)) for s in seqs]
 
     def observe(self, feedback: Sequence[StepFeedback]) -> None:

@@ -9,9 +9,9 @@ code prompts here); per sequence i and drafted position j, with the row's model 
 and after j drafted tokens the chance that all of them are accepted is pi_ij = prod_{m<=j} p_im.
 
 Stop rule (one decision per draft level, for the rows still drafting). Drafting h more tokens for row i adds
-    gain_i(h) = pi_ij * sum_{m=1..h} pbar_i^m                 expected extra output tokens (the accepted ones)
-where pbar_i is the expected p of a token not drafted yet. The top-n rows by pi_ij * pbar_i drafting h more
-levels cost
+    gain_i(h) = w_i * pi_ij * sum_{m=1..h} pbar_i^m           expected extra output tokens (the accepted ones)
+where pbar_i is the expected p of a token not drafted yet and w_i what a token of row i is worth (1, but in a
+batch with nothing waiting: goodput.py). The top-n rows by w_i * pi_ij * pbar_i drafting h more levels cost
     time(n, h) = sum_{l=1..h} D(rows of those n still drafting at level l) + V(T + added tokens) - V(T)
 with D, V the step-cost tables and T the tokens the target will verify so far (with padded verification, every
 sequence of the batch adds a token per level). With lambda the batch's goodput (tokens per second), the batch
@@ -61,9 +61,10 @@ class DraftStop:
 
     def next_level(self, reach: Sequence[float], pbar: Sequence[float], room: Sequence[int], drafted: int,
                    level: int = 0, fixed: Sequence[float] | None = None) -> list[bool]:
-        """Which rows draft one more token. reach[i] = pi_ij, pbar[i] = expected p of an undrafted token, room[i] =
-        tokens row i may still draft (> 0), drafted = draft tokens proposed so far this step (all rows), level = draft
-        levels so far (the padded verification's width), fixed[i] = seconds row i costs if it drafts at all."""
+        """Which rows draft one more token. reach[i] = w_i * pi_ij, pbar[i] = expected p of an undrafted token,
+        room[i] = tokens row i may still draft (> 0), drafted = draft tokens proposed so far this step (all rows),
+        level = draft levels so far (the padded verification's width), fixed[i] = seconds row i costs if it drafts at
+        all."""
         go = np.zeros(len(reach), dtype=bool)
         n, net, _, _ = self.best(reach, pbar, room, drafted, self.goodput, level, fixed)
         if n > 0 and net > 0:
