@@ -114,6 +114,12 @@ class GoodputConfig:
                 raise ConfigError(f"dsde-goodput: {msg}")
 
 
+def running_rate(n: int, start: float, floor: float) -> float:
+    """The weight of the n-th observation (n >= 1) in a running mean whose start counts as `start` observations: a
+    plain mean over the first ones, then never below `floor` (a decay of 1 - floor per observation)."""
+    return max(floor, 1 / (n + start))
+
+
 class AcceptanceModel:
     """Online Bayesian logistic regression of acceptance on z = (1, logit(confidence), instability)."""
 
@@ -157,7 +163,7 @@ class SpeedupByBatch:
         if not math.isfinite(ratio):
             return
         rho, n = self._rho.get(batch, (self.get(batch), 0))
-        self._rho[batch] = (rho + max(self.rate, 1 / (n + 2)) * (ratio - rho), n + 1)
+        self._rho[batch] = (rho + running_rate(n + 1, 1, self.rate) * (ratio - rho), n + 1)
 
     def get(self, batch: int) -> float:
         if batch in self._rho:
@@ -267,21 +273,19 @@ class GoodputPolicy(SpeculationPolicy):
             if st is None or fb.proposed == 0:
                 continue
             st.steps += 1
-            # a plain running mean over the first steps (the pooled start counts as start_weight of them), then decay
-            # rho; a probe counts for half: after a time off it is the freshest evidence there is
-            keep = min(0.5 if st.probing else cfg.rho,
-                       (st.steps - 1 + cfg.start_weight) / (st.steps + cfg.start_weight))
-            st.p_first = keep * st.p_first + (1 - keep) * float(fb.accepted > 0)
-            # the pooled means follow every sequence's outcomes: a plain mean where the priors count as pool_weight
-            # steps, then rate pool_rate
+            # the pooled start counts as start_weight steps, then decay rho; a probe counts for half: after a time off
+            # it is the freshest evidence there is
+            rate = running_rate(st.steps, cfg.start_weight, 0.5 if st.probing else 1 - cfg.rho)
+            st.p_first += rate * (float(fb.accepted > 0) - st.p_first)
+            # the pooled means follow every sequence's outcomes: their priors count as pool_weight steps
             self._pooled += 1
-            pool = max(cfg.pool_rate, 1 / (self._pooled + cfg.pool_weight))
+            pool = running_rate(self._pooled, cfg.pool_weight, cfg.pool_rate)
             self._pool_first += pool * (float(fb.accepted > 0) - self._pool_first)
             model = self._models[st.greedy]
             if fb.draft_conf:
                 a, s = model.row_model(st.x)
                 p = float(np.mean([sigmoid(a + s * logit(c)) for c in fb.draft_conf]))
-                st.pbar = keep * st.pbar + (1 - keep) * p
+                st.pbar += rate * (p - st.pbar)
                 self._pool_pbar += pool * (p - self._pool_pbar)
                 for j in range(min(fb.accepted + 1, fb.proposed)):  # the accepted ones and the first rejected
                     model.update(fb.draft_conf[j], st.x, j < fb.accepted)
