@@ -214,10 +214,11 @@ def _stale(docs: dict[str, dict[str, Any]]) -> str:
     old = [n for n, d in docs.items() if not contains((d.get("meta", {}).get("code") or {}).get("commit"), commit)]
     if not old:
         return ""
+    one = len(old) == 1
     return (f"\n\nThe speculation policies (`{POLICY_CODE}/`) last changed in commit {commit[:7]} ({date}); "
-            f"{', '.join(f'`{n}`' for n in old)} {'was' if len(old) == 1 else 'were'} measured before it (or record "
-            "no commit), so their dsde-goodput figures describe an earlier version of the policy. Re-measuring them "
-            "takes `make bench-goodput` and `make bench-sim`.")
+            f"{', '.join(f'`{n}`' for n in old)} {'was' if one else 'were'} measured before it or "
+            f"{'records' if one else 'record'} no commit, so {'its' if one else 'their'} dsde-goodput figures "
+            f"describe an earlier version of the policy (re-measure with `make bench-goodput` and `make bench-sim`).")
 
 
 def section(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:

@@ -131,7 +131,8 @@ def test_the_section_names_runs_measured_before_the_policy_code_last_changed() -
     old, new = (_doc([_cell("code", 1, "off", 10.0), _cell("code", 1, "dsde-goodput", 12.0)]) for _ in range(2))
     new["meta"] = {"code": {"commit": provenance.code_version()["commit"], "modified": False}}
     text = goodput_report.section({"goodput_old": old, "goodput_new": new}, None)
-    assert f"last changed in commit {commit[:7]} ({date}); `goodput_old` was measured before it" in text
+    assert (f"last changed in commit {commit[:7]} ({date}); `goodput_old` was measured before it or records no "
+            "commit, so its dsde-goodput figures") in text
     assert "`goodput_new`" not in text.split("last changed in commit")[1]
     assert "last changed" not in goodput_report.section({"goodput_new": new}, None)
     assert provenance.contains(commit, commit) and not provenance.contains(None, commit)
