@@ -263,7 +263,6 @@ def test_a_closed_batch_weighs_each_rows_tokens_by_its_remaining_steps() -> None
     assert [p.worth for p in plans] == pytest.approx([60 / 36, 12 / 36, 1.0])
     # e_i counts: a row that drafts well has fewer steps left than its tokens say
     pol = _with_evidence(cheap)
-    pol.plan([SeqInfo("good", 0.0, 8, remaining=40)], cheap)
     _feed(pol, pol.plan([SeqInfo("good", 0.0, 8, remaining=40)], cheap), [SeqInfo("good", 0.0, 8, 1, 40)],
           lambda k: k, conf=0.99)
     two = [SeqInfo("good", 0.0, 8, remaining=40), SeqInfo("new", 0.0, 8, remaining=40)]
