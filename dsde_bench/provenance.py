@@ -6,12 +6,13 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+CHECKOUT = Path(__file__).resolve().parent.parent
 
-def _git(*args: str) -> subprocess.CompletedProcess[str] | None:
-    """A git command in this checkout; None where git cannot run."""
+
+def _git(*args: str, repo: Path = CHECKOUT) -> subprocess.CompletedProcess[str] | None:
+    """A git command in `repo` (this checkout); None where git cannot run."""
     try:
-        return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent.parent, capture_output=True,
-                              text=True, timeout=10)
+        return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -27,11 +28,15 @@ def code_version() -> dict[str, Any] | None:
 
 
 POLICY_CODE = "dsde_core/policies"
+# A commit whose message carries this trailer changed the code without changing what it measures (a refactor checked
+# to give identical figures); its line names the evidence, e.g. "Figures-unchanged: the simulator's 576 cells".
+UNCHANGED = "Figures-unchanged:"
 
 
-def last_change(path: str = POLICY_CODE) -> tuple[str, str] | None:
-    """(commit, date) of the last commit that changed `path`; None outside a git checkout."""
-    out = _git("log", "-1", "--format=%H %cs", "--", path)
+def last_change(path: str = POLICY_CODE, repo: Path = CHECKOUT) -> tuple[str, str] | None:
+    """(commit, date) of the last commit that changed `path`, skipping those marked `UNCHANGED`; None outside a git
+    checkout."""
+    out = _git("log", "-1", "--format=%H %cs", "--invert-grep", f"--grep=^{UNCHANGED}", "--", path, repo=repo)
     if out is None or out.returncode != 0 or not out.stdout.strip():
         return None
     commit, date = out.stdout.split()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
 from typing import Any
 
 from dsde_bench import goodput_report, provenance
@@ -137,3 +139,25 @@ def test_the_section_names_runs_measured_before_the_policy_code_last_changed() -
     assert "last changed" not in goodput_report.section({"goodput_new": new}, None)
     assert provenance.contains(commit, commit) and not provenance.contains(None, commit)
     assert not provenance.contains("0" * 40, commit)  # a commit this checkout lacks
+
+
+def test_a_commit_marked_figures_unchanged_is_not_a_change_to_the_policy(tmp_path: Path) -> None:
+    """A refactor checked to give identical figures says so in a trailer; the runs before it stay current."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    def commit(text: str, message: str) -> str:
+        (tmp_path / provenance.POLICY_CODE).mkdir(parents=True, exist_ok=True)
+        (tmp_path / provenance.POLICY_CODE / "p.py").write_text(text)
+        git("add", ".")
+        git("commit", "-q", "-m", message)
+        return git("rev-parse", "HEAD")
+
+    git("init", "-q")
+    first = commit("a = 1\n", "the policy")
+    assert provenance.last_change(repo=tmp_path)[0] == first
+    commit("a = 1  # folded\n", f"fold a helper\n\n{provenance.UNCHANGED} the simulator's cells are identical")
+    assert provenance.last_change(repo=tmp_path)[0] == first
+    second = commit("a = 2\n", f"a new rule; the old one said {provenance.UNCHANGED} in its body text")
+    assert provenance.last_change(repo=tmp_path)[0] == second  # only a trailer line marks it
