@@ -189,6 +189,11 @@ class _State:
     last_k: int = 0
     steps: int = 0  # steps that drafted
 
+    def accepted_per_step(self, k: int) -> float:
+        """e = p_first * sum_{m<k} pbar^m: expected drafted tokens accepted in a step of k (the first token is
+        accepted with p_first, each after it with pbar given the one before)."""
+        return self.p_first * sum(self.pbar ** m for m in range(k))
+
 
 class GoodputPolicy(SpeculationPolicy):
     """Batch-level: plans every sequence together (it needs the step costs; the engine passes them)."""
@@ -314,8 +319,7 @@ class GoodputPolicy(SpeculationPolicy):
             w_i = S_i / mean_j S_j,     S_i = remaining_i / (1 + e_i),     e_i = p_first_i * sum_{m<k_i} pbar_i^m"""
         if waiting > 0 or len(seqs) < 2 or any(s.remaining is None for s in seqs):
             return [1.0] * len(seqs)
-        steps = [s.remaining / (1 + st.p_first * sum(st.pbar ** m for m in range(k)))
-                 for s, st, k in zip(seqs, states, ks, strict=True)]
+        steps = [s.remaining / (1 + st.accepted_per_step(k)) for s, st, k in zip(seqs, states, ks, strict=True)]
         mean = sum(steps) / len(steps)
         return [x / mean for x in steps] if mean > 0 else [1.0] * len(seqs)
 
@@ -326,8 +330,7 @@ class GoodputPolicy(SpeculationPolicy):
         e = p_first * sum_{m<k} pbar^m its expected accepted tokens per step."""
         if seq.draft_lag == 0 or seq.remaining is None:
             return 0.0
-        accepted = st.p_first * sum(st.pbar ** m for m in range(k))
-        return costs.draft_context(seq.draft_lag) * (1 + accepted) / max(seq.remaining, 1)
+        return costs.draft_context(seq.draft_lag) * (1 + st.accepted_per_step(k)) / max(seq.remaining, 1)
 
     def _observe_speedup(self, feedback: Sequence[StepFeedback]) -> None:
         """rho_B: this policy's decode steps at batch B against target-only decoding, each priced by the costs it was
