@@ -113,6 +113,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dsde_bench.provenance import code_version
+
+    args.code = code_version()  # the code the run starts with: the checkout may move on while a long grid runs
     try:
         if args.url:
             return _serve(args)
@@ -137,11 +140,14 @@ def command_line(argv: list[str] | None = None) -> str:
     return " ".join([head, *(shlex.quote(a) for a in argv[1:])])
 
 
-def _meta(plots: list[Path] | None = None) -> dict[str, Any]:
+def _meta(code: dict[str, Any] | None, plots: list[Path] | None = None) -> dict[str, Any]:
+    """The run's command, machine and date; `code` is the commit it started with, and whether the checkout differs
+    from that by the time it ends (a long grid must not be credited to a commit made while it ran)."""
     from dsde_bench.backend import machine_info
     from dsde_bench.provenance import code_version
 
-    return {"command": command_line(), "machine": machine_info(), "code": code_version(),
+    return {"command": command_line(), "machine": machine_info(), "code": code,
+            "changed_during_run": code != code_version(),
             "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "plots": [str(p) for p in plots or []]}
 
@@ -163,7 +169,7 @@ def _finish(args: argparse.Namespace, doc: dict[str, Any], name: str, plot_fn: A
     plots: list[Path] = []
     if not args.no_plots:
         plots = plot_fn(doc, results / "plots")
-    doc["meta"] = _meta(plots)
+    doc["meta"] = _meta(args.code, plots)
     out = Path(args.out) if args.out else results / f"{name}.json"
     _write(doc, out)
     md = out.with_suffix(".md")  # beside its JSON: a run with --out leaves the default run's table alone
@@ -301,7 +307,8 @@ def _simulate(args: argparse.Namespace) -> int:
             b = get_backend()
             measured = measure_costs(b.engine.target.runner, b.engine.draft.runner)
             cpath.parent.mkdir(parents=True, exist_ok=True)
-            cpath.write_text(json.dumps({"backend": desc, "model": measured.__dict__, "meta": _meta()}, indent=1))
+            costs = {"backend": desc, "model": measured.__dict__, "meta": _meta(args.code)}
+            cpath.write_text(json.dumps(costs, indent=1))
             print(f"measured step costs -> {cpath}", file=sys.stderr)
     engine_model = None
     if any(p.split(":")[0] == "engine" for p in args.profiles):

@@ -201,6 +201,8 @@ def _where(doc: dict[str, Any]) -> str:
     commit = code.get("commit", "")[:7]
     if commit:
         commit = f"commit {commit}" + (" with modified code" if code.get("modified") else "")
+        if meta.get("changed_during_run"):
+            commit += "; the checkout changed while it ran"
     return "".join(f", {x}" for x in (cpu, created, commit) if x)
 
 

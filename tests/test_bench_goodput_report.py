@@ -122,6 +122,9 @@ def test_the_section_names_each_runs_machine_and_date() -> None:
     assert "(1 s, 2026-11-25, commit f58f5c4)" in goodput_report.section({"bench": doc}, None)
     doc["meta"]["code"]["modified"] = True
     assert "(1 s, 2026-11-25, commit f58f5c4 with modified code)" in goodput_report.section({"bench": doc}, None)
+    doc["meta"]["changed_during_run"] = True
+    assert "commit f58f5c4 with modified code; the checkout changed while it ran)" in goodput_report.section(
+        {"bench": doc}, None)
 
 
 def test_the_section_names_runs_measured_before_the_policy_code_last_changed() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dsde_bench import cli
+from dsde_bench import cli, provenance
 from dsde_bench.backend import tiny_backend
 from dsde_bench.runner import CellRun, GridConfig, drive, format_row, median_run, run_grid, sampling_params
 from dsde_core.config import SamplingParams
@@ -108,6 +108,7 @@ def test_cli_grid_and_report(tmp_path, capsys) -> None:
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(cli.__file__).resolve().parents[1],
                           capture_output=True, text=True).stdout.strip()
     assert doc["meta"]["code"]["commit"] == head and isinstance(doc["meta"]["code"]["modified"], bool)
+    assert doc["meta"]["changed_during_run"] is False
     assert (res / "bench.md").exists() and any((res / "plots").glob("speedup_T0.png"))
     page = md.read_text()
     assert "## Policies on real workloads" in page and "Static-opt" in page and "## Machine" in page
@@ -120,6 +121,20 @@ def test_cli_grid_and_report(tmp_path, capsys) -> None:
     assert (res / "bench.md").read_text() == table
     assert "dsde:3" in (res / "other.md").read_text()
     assert {c["policy"] for c in json.loads((res / "other.json").read_text())["cells"]} >= {"off", "dsde:3"}
+
+
+@needs_data
+def test_cli_records_the_code_a_run_started_with(tmp_path, monkeypatch) -> None:
+    """A long grid outlives commits made meanwhile: its figures are credited to the commit it started on, and the
+    run says the checkout changed under it."""
+    versions = iter([{"commit": "a" * 40, "modified": False}, {"commit": "b" * 40, "modified": False}])
+    monkeypatch.setattr(provenance, "code_version", lambda: next(versions))
+    res = tmp_path / "results"
+    assert cli.main(["--tiny", "--workloads", "code", "--policies", "off", "--batch-sizes", "1", "--num-prompts",
+                     "1", "--max-tokens", "4", "--no-anchor", "--no-progress", "--no-report", "--no-plots",
+                     "--results-dir", str(res)]) == 0
+    meta = json.loads((res / "bench.json").read_text())["meta"]
+    assert meta["code"]["commit"] == "a" * 40 and meta["changed_during_run"] is True
 
 
 @needs_data
