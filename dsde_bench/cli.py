@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dsde_bench import provenance
 from dsde_bench.workloads import DEFAULT_MAX_CHARS, DataPackageMissing, load_workload, parse_workloads
 from dsde_core.errors import ConfigError, DSDEError
 
@@ -113,9 +114,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dsde_bench.provenance import code_version
-
-    args.code = code_version()  # the code the run starts with: the checkout may move on while a long grid runs
+    args.code = provenance.code_version()  # the code the run starts with: the checkout may move on during a run
     try:
         if args.url:
             return _serve(args)
@@ -144,10 +143,9 @@ def _meta(code: dict[str, Any] | None, plots: list[Path] | None = None) -> dict[
     """The run's command, machine and date; `code` is the commit it started with, and whether the checkout differs
     from that by the time it ends (a long grid must not be credited to a commit made while it ran)."""
     from dsde_bench.backend import machine_info
-    from dsde_bench.provenance import code_version
 
     return {"command": command_line(), "machine": machine_info(), "code": code,
-            "changed_during_run": code != code_version(),
+            "changed_during_run": code != provenance.code_version(),
             "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "plots": [str(p) for p in plots or []]}
 
