@@ -217,7 +217,8 @@ def _stale(docs: dict[str, dict[str, Any]]) -> str:
     if not old:
         return ""
     one = len(old) == 1
-    return (f"\n\nThe speculation policies (`{POLICY_CODE}/`) last changed in commit {commit[:7]} ({date}); "
+    code = " and ".join(f"`{c}`" for c in POLICY_CODE)
+    return (f"\n\nThe policy code ({code}) last changed in commit {commit[:7]} ({date}); "
             f"{', '.join(f'`{n}`' for n in old)} {'was' if one else 'were'} measured before it or "
             f"{'records' if one else 'record'} no commit, so {'its' if one else 'their'} dsde-goodput figures "
             f"describe an earlier version of the policy (re-measure with `make bench-goodput` and `make bench-sim`).")

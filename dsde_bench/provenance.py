@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +28,17 @@ def code_version() -> dict[str, Any] | None:
     return {"commit": commit.stdout.strip(), "modified": bool(changed.stdout.strip())}
 
 
-POLICY_CODE = "dsde_core/policies"
+# what dsde-goodput's figures depend on: the policies, and the engine's online cost model they plan with
+POLICY_CODE = ("dsde_core/policies", "dsde_core/cost.py")
 # A commit whose message carries this trailer changed the code without changing what it measures (a refactor checked
 # to give identical figures); its line names the evidence, e.g. "Figures-unchanged: the simulator's 576 cells".
 UNCHANGED = "Figures-unchanged:"
 
 
-def last_change(path: str = POLICY_CODE, repo: Path = CHECKOUT) -> tuple[str, str] | None:
-    """(commit, date) of the last commit that changed `path`, skipping those marked `UNCHANGED`; None outside a git
-    checkout."""
-    out = _git("log", "-1", "--format=%H %cs", "--invert-grep", f"--grep=^{UNCHANGED}", "--", path, repo=repo)
+def last_change(paths: Sequence[str] = POLICY_CODE, repo: Path = CHECKOUT) -> tuple[str, str] | None:
+    """(commit, date) of the last commit that changed any of `paths`, skipping those marked `UNCHANGED`; None outside
+    a git checkout."""
+    out = _git("log", "-1", "--format=%H %cs", "--invert-grep", f"--grep=^{UNCHANGED}", "--", *paths, repo=repo)
     if out is None or out.returncode != 0 or not out.stdout.strip():
         return None
     commit, date = out.stdout.split()

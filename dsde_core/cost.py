@@ -6,18 +6,23 @@ One engine step over a batch of B sequences, sequence i feeding n_i pending toke
 V is a table, not a line: on a CPU a oneDNN GEMM is flat in the rows up to a block of 16 and then jumps (here
 +45 ms, a third of a step, from 16 to 17 query tokens), and a GPU forward is flat up to its compute knee. The
 target's forward is timed on its own every step with its exact n (a prompt's prefill included), so
-OnlineCostModel keeps one running mean per n; an n it has not seen is priced linearly between the n seen around
-it (optimistic just past a jump, so that n gets tried once and learnt), past them as a linear prior scaled to the
-nearest n seen, and the table is made non-decreasing. The draft's forward is only timed per call (several
-levels), so D(m) = D0 + D1 m over m rows is fitted by recursive least squares to (forwards, rows summed over them)
--> seconds, on the calls that only drafted. A call that also took in context tokens (a sequence's first draft step
-prefills the draft with its whole context; a lagging cache catches up) prices them instead: C seconds per context
-token, the call's time beyond D over its context tokens, a running mean. A context token costs far less than a
-decode row (a prefill is one efficient GEMM), so D1 would overprice it several times over.
+OnlineCostModel keeps the last `memory` times seen at each n and takes their median: a shared machine's bursts (a
+step of 150 ms taking 360) would pull a running mean up by a third for as long as they are remembered. The medians
+are made non-decreasing by a weighted isotonic fit (pool adjacent violators, each n weighted by the times it holds):
+one slow forward at an n seen once is averaged with the well-known n above it instead of raising every n above it,
+as a running maximum would. An n it has not seen is priced linearly between the n seen around it (optimistic just
+past a jump, so that n gets tried once and learnt), and past them as a linear prior scaled to the nearest n seen.
+The draft's forward is only timed per call (several levels), so D(m) = D0 + D1 m over m rows is fitted by recursive
+least squares to (forwards, rows summed over them) -> seconds, on the calls that only drafted. A call that also took
+in context tokens (a sequence's first draft step prefills the draft with its whole context; a lagging cache catches
+up) prices them instead: C seconds per context token, the call's time beyond D over its context tokens, a running
+mean. A context token costs far less than a decode row (a prefill is one efficient GEMM), so D1 would overprice it
+several times over.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -35,6 +40,19 @@ def _extend(table: Sequence[float], n: int) -> float:
     span = min(16, len(table) - 1)
     slope = (table[-1] - table[-1 - span]) / span if span > 0 else 0.0
     return table[-1] + max(slope, 0.0) * (n - len(table))
+
+
+def isotonic(y: Sequence[float], w: Sequence[float]) -> np.ndarray:
+    """The non-decreasing sequence closest to y in weighted least squares (pool adjacent violators): a run that
+    decreases is replaced by its weighted mean."""
+    blocks: list[tuple[float, float, int]] = []  # (value, weight, entries)
+    for yi, wi in zip(y, w, strict=True):
+        v, wt, c = float(yi), float(wi), 1
+        while blocks and blocks[-1][0] > v:
+            pv, pw, pc = blocks.pop()
+            v, wt, c = (pv * pw + v * wt) / (pw + wt), pw + wt, pc + c
+        blocks.append((v, wt, c))
+    return np.repeat([b[0] for b in blocks], [b[2] for b in blocks])
 
 
 @dataclass(frozen=True)
@@ -107,7 +125,7 @@ class CostPrior:
     draft_context_per_token_s: float = 0.0005  # C: a context token the draft takes in (a prefill's, not a decode row's)
     weight: float = 4.0  # how many observations the draft prior is worth
     forgetting: float = 0.98  # per observation: the draft fit's memory is ~1 / (1 - forgetting) = 50 steps
-    memory: int = 20  # a verify table entry (and C) is the running mean of its last ~memory observations
+    memory: int = 20  # a verify table entry is the median of its last memory observations; C a running mean of ~as many
     context_min: int = 16  # a draft call with this many context tokens prices C, not D
 
     def verify(self, n: int) -> float:
@@ -154,8 +172,8 @@ class OnlineCostModel:
     observed: int = 0
 
     def __post_init__(self) -> None:
-        self._mean: dict[int, float] = {}  # n -> running mean seconds of a target forward over n tokens
-        self._count: dict[int, int] = {}
+        self._seen: dict[int, deque[float]] = {}  # n -> the last `memory` seconds of a target forward over n tokens
+        self._median: dict[int, float] = {}  # n -> their median
         self._draft: _RLS | None = None  # made at the first draft step, from a prior scaled to the target's speed
         self._context: tuple[float, int] | None = None  # (C, calls it has seen)
 
@@ -166,10 +184,9 @@ class OnlineCostModel:
         in draft_s."""
         if verify_tokens < 1 or not verify_s > 0:
             return
-        c = self._count.get(verify_tokens, 0) + 1
-        m = self._mean.get(verify_tokens, verify_s)
-        self._mean[verify_tokens] = m + (verify_s - m) / min(c, self.prior.memory)
-        self._count[verify_tokens] = c
+        seen = self._seen.setdefault(verify_tokens, deque(maxlen=self.prior.memory))
+        seen.append(verify_s)
+        self._median[verify_tokens] = float(np.median(seen))
         p = self.prior
         if draft_forwards > 0 and draft_context >= p.context_min:
             # C = (the call's time beyond D) / context tokens: a plain mean where the prior counts as `weight` calls
@@ -205,15 +222,15 @@ class OnlineCostModel:
         return self.verify(1) / self.prior.verify_base_s
 
     def verify_table(self, n: int) -> np.ndarray:
-        """[n]: V(1..n): the running mean seen at each n, linear between the n seen, and outside them the prior scaled
-        by the nearest n seen; not yet made non-decreasing."""
+        """[n]: V(1..n): the isotonic fit to the medians seen, linear between the n seen, and outside them the prior
+        scaled by the nearest n seen; past the last n seen not yet made non-decreasing."""
         ns = np.arange(1, n + 1)
         p = self.prior
         prior = p.verify_base_s + p.verify_per_token_s * (ns - 1)
-        if not self._mean:
+        if not self._median:
             return prior
-        keys = np.array(sorted(self._mean))
-        means = np.array([self._mean[k] for k in keys.tolist()])
+        keys = np.array(sorted(self._median))
+        means = isotonic([self._median[k] for k in keys.tolist()], [len(self._seen[k]) for k in keys.tolist()])
         ratio = means / (p.verify_base_s + p.verify_per_token_s * (keys - 1))  # seen / prior
         outside = prior * np.where(ns < keys[0], ratio[0], ratio[-1])
         return np.where((ns >= keys[0]) & (ns <= keys[-1]), np.interp(ns, keys, means), outside)

@@ -150,9 +150,9 @@ def test_a_commit_marked_figures_unchanged_is_not_a_change_to_the_policy(tmp_pat
         return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
                               capture_output=True, text=True).stdout.strip()
 
-    def commit(text: str, message: str) -> str:
-        (tmp_path / provenance.POLICY_CODE).mkdir(parents=True, exist_ok=True)
-        (tmp_path / provenance.POLICY_CODE / "p.py").write_text(text)
+    def commit(text: str, message: str, path: str = f"{provenance.POLICY_CODE[0]}/p.py") -> str:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
         git("add", ".")
         git("commit", "-q", "-m", message)
         return git("rev-parse", "HEAD")
@@ -164,3 +164,7 @@ def test_a_commit_marked_figures_unchanged_is_not_a_change_to_the_policy(tmp_pat
     assert provenance.last_change(repo=tmp_path)[0] == first
     second = commit("a = 2\n", f"a new rule; the old one said {provenance.UNCHANGED} in its body text")
     assert provenance.last_change(repo=tmp_path)[0] == second  # only a trailer line marks it
+    third = commit("b = 1\n", "the cost model the policy plans with", provenance.POLICY_CODE[1])
+    assert provenance.last_change(repo=tmp_path)[0] == third
+    commit("c = 1\n", "the docs", "README.md")
+    assert provenance.last_change(repo=tmp_path)[0] == third

@@ -28,15 +28,18 @@ Four estimates, all learnt online:
 
 The plan, level 0 of the stop rule: with the first token's acceptance p_first_i and pbar_i for the tokens after it,
 the batch's DraftStop picks the sequences that draft a first token (and so the number that do: none, when no
-draft pays). While the pool holds fewer than explore_steps (16) drafting steps and no row is picked, the row whose
-draft prefill is cheapest drafts anyway: on the priors alone a batch may never draft, and so never learn that it pays.
-Four steps were too few: at T=1 four first-token draws (standard error ~0.2) could leave the pooled p_first at 0.66
-where the draft's was 0.78, and once the pool says off nothing corrects it for short requests (a cold row probes only
-with probe_max tokens left).
+draft pays). While the pool holds fewer than explore_steps (16) drafting steps, every row drafts: on the priors alone
+a batch may never draft, and so never learn that it pays, and once the pool says off nothing corrects it for short
+requests (a cold row probes only with probe_max tokens left). Four steps were too few: at T=1 four first-token draws
+(standard error ~0.2) could leave the pooled p_first at 0.66 where the draft's was 0.78. One row was too few: the
+requests of a mixed workload differ more than its steps do, and sixteen steps of one request whose acceptance was
+0.65 left a batch of four, whose drafts the best static k accepted at 0.88, never drafting.
 A sequence whose draft cache is empty (lag_i context tokens: the engine defers a draft's prefill until
 the sequence drafts) also pays its prefill once it drafts; the rule charges it this step's share,
-    fixed_i = C * lag_i * (1 + e_i) / remaining_i,     e_i = p_first_i * sum_{m<k_i} pbar_i^m
-(the prefill spread over the steps its remaining tokens take while it drafts, e_i accepted tokens a step).
+    fixed_i(h) = C * lag_i * (1 + e_i(h)) / remaining_i,     e_i(h) = p_first_i * sum_{m<h} pbar_i^m
+(the prefill spread over the steps its remaining tokens take while it drafts h tokens a step, e_i(h) accepted tokens
+a step). Charged at its ceiling k_i instead of the h the rule weighs, the share came out twice as large as the SL
+it would draft: a batch of four new requests whose drafts paid stayed off.
 Tokens are worth the same in every row while requests wait for a slot (a freed slot is filled at once). With none
 waiting the batch only shrinks, and its time is set by the row that finishes last: then the stop rule weighs row i's
 gains by w_i = S_i / mean_j S_j, with S_i = remaining_i / (1 + e_i) its expected remaining steps, so that the row on
@@ -75,9 +78,10 @@ class GoodputConfig:
     prior_variance: float = 1.0  # of each weight before any judged token
     forgetting: float = 0.995  # per judged token: the acceptance model's memory is ~200 tokens
     rho: float = 0.9  # per drafting step, of a sequence's p_first and pbar (memory ~10 steps)
-    pool_rate: float = 0.05  # per drafting step of any sequence, of the pooled means new sequences start from
+    pool_rate: float = 0.01  # per drafting step of any sequence, of the pooled means new sequences start from (memory
+    # ~100 steps: at 0.05 the last five plans of a batch of four at T = 1 could leave p_first at 0.45 where it was 0.7)
     pool_weight: float = 4.0  # the pooled means' priors count as this many drafting steps
-    explore_steps: int = 16  # the pool explores until it holds this many drafting steps (see the module doc)
+    explore_steps: int = 16  # every row explores until the pool holds this many drafting steps (see the module doc)
     start_weight: float = 4.0  # a sequence's pooled start counts as this many of its own drafting steps
     prior_first: float = 0.7  # pooled p_first and pbar before any step
     prior_pbar: float = 0.7
@@ -242,9 +246,9 @@ class GoodputPolicy(SpeculationPolicy):
         stop = replace(stop, goodput=stop.step_goodput(reach, pbar, room, len(seqs), fixed=fixed))
         go = stop.next_level(reach, pbar, room, 0, fixed=fixed)
         chosen = {i for i, g in zip(rows, go, strict=True) if g}
-        if not chosen and rows and self._pooled < cfg.explore_steps:  # the pool has little evidence: explore with
-            # the row whose draft prefill is cheapest (what it learns serves every later request)
-            chosen = {min(rows, key=lambda i: seqs[i].draft_lag)}
+        if rows and self._pooled < cfg.explore_steps:  # the pool has little evidence: every row explores (what
+            # they learn serves every later request)
+            chosen = set(rows)
         plans = []
         for i, (st, k) in enumerate(zip(states, ks, strict=True)):
             st.probing = False
@@ -324,13 +328,14 @@ class GoodputPolicy(SpeculationPolicy):
         return [x / mean for x in steps] if mean > 0 else [1.0] * len(seqs)
 
     @staticmethod
-    def _prefill_share(seq: SeqInfo, st: _State, k: int, costs: StepCosts) -> float:
-        """This step's share of the draft prefill a sequence with an empty draft cache pays when it drafts: C * lag
-        spread over the steps its remaining tokens take while it drafts, (remaining / (1 + e)) with
-        e = p_first * sum_{m<k} pbar^m its expected accepted tokens per step."""
+    def _prefill_share(seq: SeqInfo, st: _State, k: int, costs: StepCosts) -> list[float]:
+        """[k]: this step's share of the draft prefill a sequence with an empty draft cache pays when it drafts h =
+        1..k tokens a step: C * lag spread over the steps its remaining tokens then take, remaining / (1 + e(h)) with
+        e(h) = p_first * sum_{m<h} pbar^m its expected accepted tokens per step."""
         if seq.draft_lag == 0 or seq.remaining is None:
-            return 0.0
-        return costs.draft_context(seq.draft_lag) * (1 + st.accepted_per_step(k)) / max(seq.remaining, 1)
+            return [0.0]
+        per_step = costs.draft_context(seq.draft_lag) / max(seq.remaining, 1)
+        return [per_step * (1 + st.accepted_per_step(h)) for h in range(1, k + 1)]
 
     def _observe_speedup(self, feedback: Sequence[StepFeedback]) -> None:
         """rho_B: this policy's decode steps at batch B against target-only decoding, each priced by the costs it was

@@ -18,8 +18,8 @@ sequence of the batch adds a token per level). With lambda the batch's goodput (
 drafts one more level, with the top n* rows, iff
     max_{n, h} [ sum_{i in top n} gain_i(h) - lambda * time(n, h) ] > 0
 (Dinkelbach: an action pays when it earns more than its time would earn at the rate the batch already reaches).
-At level 0 a row whose draft cache is empty also pays fixed_i once it drafts at all: its prefill, amortised (the
-policy's share of it for this step; goodput.py).
+At level 0 a row whose draft cache is empty also pays fixed_i(h) once it drafts at all: its prefill, amortised (the
+policy's share of it for this step, which depends on the levels h it drafts; goodput.py).
 Looking h levels ahead, not one, keeps the rule right where V jumps (a step crossing 16 verified tokens on a CPU)
 and where the next level's draft forward is dearer than the ones after it.
 """
@@ -35,6 +35,7 @@ import numpy as np
 from dsde_core.cost import StepCosts
 
 CONF_EPS = 1e-4  # confidences are clipped to [eps, 1 - eps] before the logit
+Fixed = Sequence[float | Sequence[float]]  # per row: seconds it costs if it drafts at all (by levels drafted)
 
 
 def logit(c: float) -> float:
@@ -44,6 +45,15 @@ def logit(c: float) -> float:
 
 def sigmoid(z: float) -> float:
     return 1.0 / (1.0 + math.exp(-z)) if z >= 0 else math.exp(z) / (1.0 + math.exp(z))
+
+
+def _by_level(fixed: float | Sequence[float], levels: int) -> np.ndarray:
+    """[levels]: a row's one-off cost if it drafts 1..levels levels: one figure for all, or one per level (past the
+    last given, the last)."""
+    if isinstance(fixed, (int, float)):
+        return np.full(levels, float(fixed))
+    f = np.asarray(fixed, dtype=np.float64)
+    return f[np.minimum(np.arange(levels), len(f) - 1)] if len(f) else np.zeros(levels)
 
 
 @dataclass(frozen=True)
@@ -60,11 +70,11 @@ class DraftStop:
         return sigmoid(model[0] + model[1] * logit(confidence))
 
     def next_level(self, reach: Sequence[float], pbar: Sequence[float], room: Sequence[int], drafted: int,
-                   level: int = 0, fixed: Sequence[float] | None = None) -> list[bool]:
+                   level: int = 0, fixed: Fixed | None = None) -> list[bool]:
         """Which rows draft one more token. reach[i] = w_i * pi_ij, pbar[i] = expected p of an undrafted token,
         room[i] = tokens row i may still draft (> 0), drafted = draft tokens proposed so far this step (all rows),
         level = draft levels so far (the padded verification's width), fixed[i] = seconds row i costs if it drafts at
-        all."""
+        all: one figure, or one per number of levels it drafts (1, 2, ...; past the last, the last)."""
         go = np.zeros(len(reach), dtype=bool)
         n, net, _, _ = self.best(reach, pbar, room, drafted, self.goodput, level, fixed)
         if n > 0 and net > 0:
@@ -77,7 +87,7 @@ class DraftStop:
         return np.argsort(-(np.asarray(reach, dtype=np.float64) * np.asarray(pbar, dtype=np.float64)), kind="stable")
 
     def best(self, reach: Sequence[float], pbar: Sequence[float], room: Sequence[int], drafted: int,
-             goodput: float, level: int = 0, fixed: Sequence[float] | None = None) -> tuple[int, float, float, float]:
+             goodput: float, level: int = 0, fixed: Fixed | None = None) -> tuple[int, float, float, float]:
         """(n, net, gain, seconds) of the best continuation: the top n rows drafting h more levels, max over (n, h) of
         net = gain - goodput * seconds; n = 0 when there is no row. Padded verification (costs.padded) costs every
         sequence of the batch one token per level, whichever rows draft."""
@@ -103,14 +113,15 @@ class DraftStop:
             t0 = self.verify_base + drafted
         v_cost = np.array([self.costs.verify(t0 + a) for a in range(int(added.max()) + 1)]) - self.costs.verify(t0)
         seconds = seconds + v_cost[added]
-        if fixed is not None:  # [n, 1]: the top n rows' one-off costs
-            seconds = seconds + np.cumsum(np.asarray(fixed, dtype=np.float64)[order])[:, None]
+        if fixed is not None:  # [n, H]: the top n rows' one-off costs, row i's at the min(h, room_i) levels it drafts
+            by_level = np.array([_by_level(f, len(h)) for f in fixed])[order]  # [L, H]
+            seconds = seconds + np.cumsum(by_level, axis=0)
         net = gain - goodput * seconds  # [n, H]
         i, j = np.unravel_index(np.argmax(net), net.shape)
         return int(i) + 1, float(net[i, j]), float(gain[i, j]), float(seconds[i, j])
 
     def step_goodput(self, reach: Sequence[float], pbar: Sequence[float], room: Sequence[int], rows: int,
-                     iters: int = 8, fixed: Sequence[float] | None = None) -> float:
+                     iters: int = 8, fixed: Fixed | None = None) -> float:
         """The best goodput this step can reach under the model, before any token is drafted (Dinkelbach): the max
         over (n, h) of (rows + gain) / (V(T) + seconds), at least this rule's own goodput."""
         lam = self.goodput
