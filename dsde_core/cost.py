@@ -174,6 +174,7 @@ class OnlineCostModel:
     def __post_init__(self) -> None:
         self._seen: dict[int, deque[float]] = {}  # n -> the last `memory` seconds of a target forward over n tokens
         self._median: dict[int, float] = {}  # n -> their median
+        self._fit: tuple[np.ndarray, np.ndarray] | None = None  # ([K] the n seen, [K] isotonic fit to their medians)
         self._draft: _RLS | None = None  # made at the first draft step, from a prior scaled to the target's speed
         self._context: tuple[float, int] | None = None  # (C, calls it has seen)
 
@@ -187,6 +188,8 @@ class OnlineCostModel:
         seen = self._seen.setdefault(verify_tokens, deque(maxlen=self.prior.memory))
         seen.append(verify_s)
         self._median[verify_tokens] = float(np.median(seen))
+        keys = sorted(self._median)  # refit here, once per step, not in every estimate (which reads V three times)
+        self._fit = np.array(keys), isotonic([self._median[k] for k in keys], [len(self._seen[k]) for k in keys])
         p = self.prior
         if draft_forwards > 0 and draft_context >= p.context_min:
             # C = (the call's time beyond D) / context tokens: a plain mean where the prior counts as `weight` calls
@@ -227,10 +230,9 @@ class OnlineCostModel:
         ns = np.arange(1, n + 1)
         p = self.prior
         prior = p.verify_base_s + p.verify_per_token_s * (ns - 1)
-        if not self._median:
+        if self._fit is None:
             return prior
-        keys = np.array(sorted(self._median))
-        means = isotonic([self._median[k] for k in keys.tolist()], [len(self._seen[k]) for k in keys.tolist()])
+        keys, means = self._fit
         ratio = means / (p.verify_base_s + p.verify_per_token_s * (keys - 1))  # seen / prior
         outside = prior * np.where(ns < keys[0], ratio[0], ratio[-1])
         return np.where((ns >= keys[0]) & (ns <= keys[-1]), np.interp(ns, keys, means), outside)
