@@ -16,7 +16,7 @@ from dsde_core.cost import OnlineCostModel, StepCosts
 from dsde_core.errors import ConfigError
 from dsde_core.policies import GoodputConfig, GoodputPolicy, Plan, SeqInfo, SpeculationPolicy, StepFeedback, make_policy
 from dsde_core.policies.goodput import AcceptanceModel
-from dsde_core.policies.stopping import DraftStop, logit, sigmoid
+from dsde_core.policies.stopping import CONF_EPS, DraftStop, logit, sigmoid
 from dsde_core.workers import DraftTask, DraftWorker
 from tests.tiny import random_prompts, tiny_engine
 
@@ -70,7 +70,7 @@ def test_stop_rule_finds_the_brute_force_optimum(seed: int) -> None:
 
 def test_stop_rule_drafts_while_confident_and_stops_after_doubt() -> None:
     stop = DraftStop(_costs(), 1, 12.0)
-    model = (0.0, 1.0)  # p = confidence
+    model = (0.0, 1.0, CONF_EPS)  # p = confidence
     reach, drafted = 1.0, 0
     for c in (0.99, 0.98, 0.99, 0.97):
         reach *= stop.accept_prob(c, model)
@@ -116,8 +116,8 @@ def test_acceptance_model_learns_the_calibration() -> None:
         c, x = float(rng.uniform(0.05, 0.999)), float(rng.uniform(0, 2))
         model.update(c, x, bool(rng.random() < sigmoid(true_a + true_s * logit(c) + true_u * x)))
     assert model.w == pytest.approx([true_a, true_s, true_u], abs=0.25)
-    a, s = model.row_model(1.0)
-    assert a == pytest.approx(model.w[0] + model.w[2]) and s == model.w[1]
+    a, s, floor = model.row_model(1.0)
+    assert a == pytest.approx(model.w[0] + model.w[2]) and s == model.w[1] and floor == CONF_EPS
 
 
 def _feed(policy: GoodputPolicy, plans: list[Plan], seqs: list[SeqInfo], accept, conf: float = 0.9) -> None:
@@ -291,7 +291,8 @@ def test_plans_carry_the_batch_rule_and_each_rows_model() -> None:
     plans = pol.plan(seqs, _costs(batch=3, draft=lambda n: 0.005))  # a cheap draft: both rows draft
     assert plans[2] == Plan(0)  # no room: nothing to draft
     assert plans[0].stop is plans[1].stop and plans[0].stop.verify_base == 1 + 40 + 1
-    assert all(p.k == 6 and p.accept_model == (0.7, 0.9) for p in plans[:2])  # the prior, both models
+    assert [p.accept_model for p in plans[:2]] == [(0.7, 0.9, CONF_EPS), (0.7, 0.9, 0.1)]  # the prior, both models
+    assert all(p.k == 6 for p in plans[:2])
     pol.observe([StepFeedback("b", 6, 3, 0, (0.1,) * 3, (), (0.3,) * 3)])
     assert pol._models[False].judged == 1 and pol._models[True].judged == 0  # sampled and greedy learn apart
 
@@ -311,9 +312,48 @@ def test_instability_enters_the_acceptance_model() -> None:
         pol.observe(fbs)
     assert pol.stats("rising")["instability"] > 1.0 > pol.stats("calm")["instability"]
     assert pol.stats("rising")["w_instability"] < 0
-    a_rising, _ = pol._models[True].row_model(pol._states["rising"].x)
-    a_calm, _ = pol._models[True].row_model(pol._states["calm"].x)
+    a_rising = pol._models[True].row_model(pol._states["rising"].x)[0]
+    a_calm = pol._models[True].row_model(pol._states["calm"].x)[0]
     assert a_rising < a_calm
+
+
+def test_a_sampled_token_the_draft_thought_unlikely_is_not_judged_unlikely() -> None:
+    """At T > 0 a drafted token x is accepted with probability min(1, p(x) / q(x)), and a small q(x) does not make
+    that smaller: measured on chat at T = 1, acceptance is ~0.5 below q = 0.2 and rises above it. Fitted on such
+    data with no floor, the model says 0.29 at q = 0.001, so one unlikely draw ends the draft; with the floor it
+    says what is true at both ends."""
+    rng = np.random.default_rng(0)
+
+    def truth(c: float) -> float:
+        return 0.5 if c < 0.2 else 0.6 + 0.4 * c
+
+    floored, plain = AcceptanceModel((0.7, 0.9, 0.0), 1.0, 1.0, 0.1), AcceptanceModel((0.7, 0.9, 0.0), 1.0, 1.0)
+    for _ in range(3000):
+        c = float(10 ** rng.uniform(-3, 0)) if rng.random() < 0.4 else float(rng.uniform(0.2, 1))
+        y = bool(rng.random() < truth(c))
+        floored.update(c, 0.0, y)
+        plain.update(c, 0.0, y)
+    for c in (0.001, 0.9):
+        assert DraftStop.accept_prob(c, floored.row_model(0.0)) == pytest.approx(truth(c), abs=0.05)
+    assert DraftStop.accept_prob(0.001, plain.row_model(0.0)) < truth(0.001) - 0.15
+    pol = GoodputPolicy()  # the floor applies to sampled requests only: a greedy draft's argmax is seldom that unsure
+    assert [pol._models[g].floor for g in (True, False)] == [CONF_EPS, pol.config.sampled_floor]
+
+
+def test_pbar_is_a_mean_by_token_not_by_step() -> None:
+    """The stop rule ends a step after a doubtful token, so the short steps hold the doubtful tokens: a mean by step
+    counts the lone token of such a step as much as the four of a confident one, and reads pbar low (on chat at T = 1:
+    0.69 by step, 0.75 by token, 0.76 accepted)."""
+    pol = GoodputPolicy(GoodputConfig(prior_variance=1e-9))  # the acceptance model stays at its prior
+    seqs = [SeqInfo("r", 1.0, 8)]
+    row = pol._models[False].row_model(0.0)
+    p_lo, p_hi = DraftStop.accept_prob(0.2, row), DraftStop.accept_prob(0.95, row)
+    for step in range(60):  # a step of one doubtful token, then a step of four confident ones
+        conf = (0.2,) if step % 2 == 0 else (0.95,) * 4
+        pol.plan(seqs, CPU)
+        pol.observe([StepFeedback("r", 8, len(conf), len(conf), (0.1,) * len(conf), (), conf)])
+    by_token, by_step = (p_lo + 4 * p_hi) / 5, (p_lo + p_hi) / 2
+    assert pol.stats("r")["pbar"] == pytest.approx(by_token, abs=0.02) and by_token > by_step + 0.1
 
 
 def test_policy_contract_and_config_errors() -> None:
@@ -482,7 +522,8 @@ def test_draft_worker_obeys_the_stop_rule() -> None:
             draft.release(slot)
             draft.open(slot, SamplingParams())
         stop = DraftStop(_costs(batch=3), 3, goodput)
-        tasks = [DraftTask(0, prompts[0], 6, None, 0.9, (0.0, 1.0)), DraftTask(1, prompts[1], 6, None, 0.9, (0.0, 1.0)),
+        model = (0.0, 1.0, CONF_EPS)  # p = confidence
+        tasks = [DraftTask(0, prompts[0], 6, None, 0.9, model), DraftTask(1, prompts[1], 6, None, 0.9, model),
                  DraftTask(2, prompts[2], 4)]
         props = draft.propose(tasks, stop)
         assert all(len(p.conf) == len(p.tokens) and all(0 < c <= 1 for c in p.conf) for p in props)

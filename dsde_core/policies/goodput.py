@@ -9,9 +9,16 @@ Four estimates, all learnt online:
    w is fitted to every judged token of every sequence (accepted: 1; the first rejected: 0; later ones are not
    judged) by online Bayesian logistic regression (a Newton step per token, forgetting f per token):
        P <- P / f;  P <- P - (P z)(P z)^T v / (1 + v z^T P z);  w <- w + P z (y - p),   v = p (1 - p)
-   one model for greedy and one for sampled requests.
+   one model for greedy and one for sampled requests. A sampled request's confidence is clipped below at
+   sampled_floor (0.1): at T > 0 a drafted token x is accepted with probability min(1, p(x) / q(x)), which a small
+   q(x) does not make smaller (on chat at T = 1 acceptance is ~0.5 for every q below 0.2), while logit(c) runs on to
+   -9 there: without the floor the model put such tokens at 0.06-0.3 (they were accepted at 0.43-0.86), and one
+   unlikely draw ended the draft.
 2. Per sequence: p_first_i, the running acceptance of the first drafted token of a step, and pbar_i, the running
-   mean p of its drafted tokens (a token not drafted yet). Running means: a plain mean over the sequence's first
+   mean p of its drafted tokens (a token not drafted yet), by token: the ratio of running means of the sum of p
+   over a step's drafted tokens and of their number. (A mean of each step's mean reads low: the stop rule ends a step
+   after a doubtful token, so short steps hold the doubtful ones. On chat at T = 1 it read 0.69 where the tokens'
+   mean p was 0.75 and their acceptance 0.76.) Running means: a plain mean over the sequence's first
    steps (its start counts as start_weight of them: one rejected token, a likely draw at T=1, must not switch a
    good draft off), then decay rho per step that drafted (a probe counts for half: after a time off it is the
    freshest evidence there is). A sequence starts from the pooled means, which follow every sequence's
@@ -67,7 +74,7 @@ import numpy as np
 from dsde_core.cost import OnlineCostModel, StepCosts
 from dsde_core.errors import ConfigError
 from dsde_core.policies.base import Plan, SeqInfo, SpeculationPolicy, StepFeedback
-from dsde_core.policies.stopping import DraftStop, logit, sigmoid
+from dsde_core.policies.stopping import CONF_EPS, DraftStop, logit, sigmoid
 from dsde_core.signals import WVIR_FLAT_VARIANCE, scale_factor, wvir
 
 
@@ -81,6 +88,7 @@ class GoodputConfig:
     pool_rate: float = 0.01  # per drafting step of any sequence, of the pooled means new sequences start from (memory
     # ~100 steps: at 0.05 the last five plans of a batch of four at T = 1 could leave p_first at 0.45 where it was 0.7)
     pool_weight: float = 4.0  # the pooled means' priors count as this many drafting steps
+    sampled_floor: float = 0.1  # sampled requests: confidences below it count as it (see the module doc)
     explore_steps: int = 16  # every row explores until the pool holds this many drafting steps (see the module doc)
     start_weight: float = 4.0  # a sequence's pooled start counts as this many of its own drafting steps
     prior_first: float = 0.7  # pooled p_first and pbar before any step
@@ -98,6 +106,8 @@ class GoodputConfig:
             (len(self.prior_weights) == 3 and all(math.isfinite(w) for w in self.prior_weights),
              f"prior_weights must be 3 finite numbers, got {self.prior_weights}"),
             (self.prior_variance > 0, f"prior_variance must be > 0, got {self.prior_variance}"),
+            (CONF_EPS <= self.sampled_floor < 0.5, f"sampled_floor must be in [{CONF_EPS}, 0.5), got "
+                                                   f"{self.sampled_floor}"),
             (0.0 < self.forgetting <= 1.0, f"forgetting must be in (0, 1], got {self.forgetting}"),
             (0.0 <= self.rho < 1.0, f"rho must be in [0, 1), got {self.rho}"),
             (0.0 < self.pool_rate <= 1.0, f"pool_rate must be in (0, 1], got {self.pool_rate}"),
@@ -125,21 +135,22 @@ def running_rate(n: int, start: float, floor: float) -> float:
 
 
 class AcceptanceModel:
-    """Online Bayesian logistic regression of acceptance on z = (1, logit(confidence), instability)."""
+    """Online Bayesian logistic regression of acceptance on z = (1, logit(max(confidence, floor)), instability)."""
 
-    def __init__(self, prior: Sequence[float], variance: float, forgetting: float) -> None:
+    def __init__(self, prior: Sequence[float], variance: float, forgetting: float, floor: float = CONF_EPS) -> None:
         self.w = np.asarray(prior, dtype=np.float64)  # [3]
+        self.floor = floor
         self.p = np.eye(3) * variance  # [3, 3] the weights' covariance
         self.max_var = variance  # forgetting never makes the model less sure than its prior
         self.forgetting = forgetting
         self.judged = 0
 
-    def row_model(self, x: float) -> tuple[float, float]:
-        """(a, s) of one sequence: p = sigmoid(a + s * logit(c)), a = w0 + w2 * x."""
-        return float(self.w[0] + self.w[2] * x), float(self.w[1])
+    def row_model(self, x: float) -> tuple[float, float, float]:
+        """(a, s, floor) of one sequence: p = sigmoid(a + s * logit(max(c, floor))), a = w0 + w2 * x."""
+        return float(self.w[0] + self.w[2] * x), float(self.w[1]), self.floor
 
     def update(self, confidence: float, x: float, accepted: bool) -> None:
-        z = np.array([1.0, logit(confidence), x])
+        z = np.array([1.0, logit(confidence, self.floor), x])
         p = sigmoid(float(self.w @ z))
         v = max(p * (1.0 - p), 1e-6)
         cov = self.p / self.forgetting
@@ -183,7 +194,8 @@ class _State:
     greedy: bool
     temperature: float
     p_first: float  # running acceptance of the first drafted token of a step
-    pbar: float  # running mean p of drafted tokens
+    p_sum: float  # running means, per drafting step, of the sum of p over its drafted tokens and of their number:
+    p_count: float  # pbar = p_sum / p_count is a running mean of p by token (see the module doc)
     history: deque[float] = field(default_factory=deque)  # last N KLDs
     x: float = 0.0  # log(1 + WVIR * SF) after the last step that drafted
     on: bool = True
@@ -192,6 +204,11 @@ class _State:
     probing: bool = False
     last_k: int = 0
     steps: int = 0  # steps that drafted
+
+    @property
+    def pbar(self) -> float:
+        """The running mean p of drafted tokens, by token."""
+        return self.p_sum / self.p_count
 
     def accepted_per_step(self, k: int) -> float:
         """e = p_first * sum_{m<k} pbar^m: expected drafted tokens accepted in a step of k (the first token is
@@ -210,9 +227,10 @@ class GoodputPolicy(SpeculationPolicy):
         cfg = self.config = config or GoodputConfig()
         self._states: dict[str, _State] = {}
         self._plans = 0
-        self._models = {g: AcceptanceModel(cfg.prior_weights, cfg.prior_variance, cfg.forgetting)
-                        for g in (True, False)}
-        self._pool_first, self._pool_pbar = cfg.prior_first, cfg.prior_pbar
+        self._models = {g: AcceptanceModel(cfg.prior_weights, cfg.prior_variance, cfg.forgetting,
+                                           CONF_EPS if g else cfg.sampled_floor) for g in (True, False)}
+        self._pool_first = cfg.prior_first
+        self._pool_sum, self._pool_count = cfg.prior_pbar, 1.0  # pooled pbar = sum / count, as in _State
         self._pooled = 0  # drafting steps the pooled means have seen
         self._default_costs = OnlineCostModel()
         self._last: tuple[StepCosts, int] | None = None  # the costs and verify base the last plan used
@@ -232,7 +250,7 @@ class GoodputPolicy(SpeculationPolicy):
             st = self._states.get(seq.req_id)
             if st is None:
                 st = self._states[seq.req_id] = _State(seq.temperature == 0.0, seq.temperature, self._pool_first,
-                                                       self._pool_pbar, probe_every=cfg.probe_every)
+                                                       self._pool_sum, self._pool_count, probe_every=cfg.probe_every)
             st.greedy, st.temperature = seq.temperature == 0.0, seq.temperature
             states.append(st)
         ks = [min(s.max_k, cfg.max_sl) for s in seqs]
@@ -292,10 +310,12 @@ class GoodputPolicy(SpeculationPolicy):
             self._pool_first += pool * (float(fb.accepted > 0) - self._pool_first)
             model = self._models[st.greedy]
             if fb.draft_conf:
-                a, s = model.row_model(st.x)
-                p = float(np.mean([sigmoid(a + s * logit(c)) for c in fb.draft_conf]))
-                st.pbar += rate * (p - st.pbar)
-                self._pool_pbar += pool * (p - self._pool_pbar)
+                row = model.row_model(st.x)
+                p, n = sum(DraftStop.accept_prob(c, row) for c in fb.draft_conf), len(fb.draft_conf)
+                st.p_sum += rate * (p - st.p_sum)
+                st.p_count += rate * (n - st.p_count)
+                self._pool_sum += pool * (p - self._pool_sum)
+                self._pool_count += pool * (n - self._pool_count)
                 for j in range(min(fb.accepted + 1, fb.proposed)):  # the accepted ones and the first rejected
                     model.update(fb.draft_conf[j], st.x, j < fb.accepted)
             self._update_instability(st, fb)

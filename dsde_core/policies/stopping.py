@@ -4,8 +4,9 @@ of every token it has just drafted; dsde-goodput (goodput.py) supplies its param
 
 Acceptance model. The draft's confidence c in a token it proposes (its probability at the signal temperature: the
 argmax's at T = 0) predicts acceptance far better than anything seen after the fact (AUC ~0.9 on chat and 0.99 on
-code prompts here); per sequence i and drafted position j, with the row's model (a_i, s_i) from the policy:
-    p_ij = sigmoid(a_i + s_i * logit(c_ij))
+code prompts here); per sequence i and drafted position j, with the row's model (a_i, s_i, f_i) from the policy:
+    p_ij = sigmoid(a_i + s_i * logit(max(c_ij, f_i)))
+(f: a floor on the confidence, for sampled requests; goodput.py)
 and after j drafted tokens the chance that all of them are accepted is pi_ij = prod_{m<=j} p_im.
 
 Stop rule (one decision per draft level, for the rows still drafting). Drafting h more tokens for row i adds
@@ -38,8 +39,8 @@ CONF_EPS = 1e-4  # confidences are clipped to [eps, 1 - eps] before the logit
 Fixed = Sequence[float | Sequence[float]]  # per row: seconds it costs if it drafts at all (by levels drafted)
 
 
-def logit(c: float) -> float:
-    c = min(max(c, CONF_EPS), 1.0 - CONF_EPS)
+def logit(c: float, floor: float = CONF_EPS) -> float:
+    c = min(max(c, floor), 1.0 - CONF_EPS)
     return math.log(c / (1.0 - c))
 
 
@@ -65,9 +66,11 @@ class DraftStop:
     goodput: float  # lambda: output tokens per second the batch reaches
 
     @staticmethod
-    def accept_prob(confidence: float, model: tuple[float, float]) -> float:
-        """p: the chance that a drafted token of this confidence is accepted (given all before it were)."""
-        return sigmoid(model[0] + model[1] * logit(confidence))
+    def accept_prob(confidence: float, model: tuple[float, float, float]) -> float:
+        """p: the chance that a drafted token of this confidence is accepted (given all before it were); model = (a,
+        s, floor), the confidence clipped below at floor."""
+        a, s, floor = model
+        return sigmoid(a + s * logit(confidence, floor))
 
     def next_level(self, reach: Sequence[float], pbar: Sequence[float], room: Sequence[int], drafted: int,
                    level: int = 0, fixed: Fixed | None = None) -> list[bool]:
