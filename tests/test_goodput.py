@@ -374,6 +374,8 @@ def test_policy_contract_and_config_errors() -> None:
         GoodputConfig(start_weight=0.0)
     with pytest.raises(ConfigError, match="explore_steps must be >= 0"):
         GoodputConfig(explore_steps=-1)
+    with pytest.raises(ConfigError, match="sampled_floor must be in"):
+        GoodputConfig(sampled_floor=0.5)
     with pytest.raises(ValueError, match="p_next"):
         Plan(3, p_next=1.5)
     with pytest.raises(ValueError, match="worth"):
