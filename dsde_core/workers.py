@@ -20,7 +20,7 @@ from dsde_core.config import SamplingParams
 from dsde_core.errors import WorkerStateLost
 from dsde_core.models.runner import ModelRunner
 from dsde_core.policies.adaedl import entropy_confidence, should_stop
-from dsde_core.policies.stopping import CONF_EPS, DraftStop
+from dsde_core.policies.stopping import CONFIDENCE_AS_P, AcceptModel, DraftStop
 from dsde_core.sampling import (
     DraftDist,
     draft_dist,
@@ -41,7 +41,7 @@ class DraftTask:
     k: int  # tokens to propose at most; 0: only catch the cache up with the committed tokens
     min_confidence: float | None = None  # stop after token t when 1 - sqrt(0.1 * H(q_t)) < min_confidence
     p_next: float | None = None  # the batch's DraftStop decides when this row stops (see Plan.p_next)
-    accept_model: tuple[float, float, float] = (0.0, 1.0, CONF_EPS)  # this row's acceptance model in the DraftStop
+    accept_model: AcceptModel = CONFIDENCE_AS_P  # this row's acceptance model in the DraftStop
     worth: float = 1.0  # what a token of this row is worth in the DraftStop (see Plan.worth)
 
 

@@ -16,7 +16,7 @@ from dsde_core.cost import OnlineCostModel, StepCosts
 from dsde_core.errors import ConfigError
 from dsde_core.policies import GoodputConfig, GoodputPolicy, Plan, SeqInfo, SpeculationPolicy, StepFeedback, make_policy
 from dsde_core.policies.goodput import AcceptanceModel
-from dsde_core.policies.stopping import CONF_EPS, DraftStop, logit, sigmoid
+from dsde_core.policies.stopping import CONF_EPS, CONFIDENCE_AS_P, DraftStop, logit, sigmoid
 from dsde_core.workers import DraftTask, DraftWorker
 from tests.tiny import random_prompts, tiny_engine
 
@@ -70,7 +70,7 @@ def test_stop_rule_finds_the_brute_force_optimum(seed: int) -> None:
 
 def test_stop_rule_drafts_while_confident_and_stops_after_doubt() -> None:
     stop = DraftStop(_costs(), 1, 12.0)
-    model = (0.0, 1.0, CONF_EPS)  # p = confidence
+    model = CONFIDENCE_AS_P
     reach, drafted = 1.0, 0
     for c in (0.99, 0.98, 0.99, 0.97):
         reach *= stop.accept_prob(c, model)
@@ -524,8 +524,8 @@ def test_draft_worker_obeys_the_stop_rule() -> None:
             draft.release(slot)
             draft.open(slot, SamplingParams())
         stop = DraftStop(_costs(batch=3), 3, goodput)
-        model = (0.0, 1.0, CONF_EPS)  # p = confidence
-        tasks = [DraftTask(0, prompts[0], 6, None, 0.9, model), DraftTask(1, prompts[1], 6, None, 0.9, model),
+        tasks = [DraftTask(0, prompts[0], 6, None, 0.9, CONFIDENCE_AS_P),
+                 DraftTask(1, prompts[1], 6, None, 0.9, CONFIDENCE_AS_P),
                  DraftTask(2, prompts[2], 4)]
         props = draft.propose(tasks, stop)
         assert all(len(p.conf) == len(p.tokens) and all(0 < c <= 1 for c in p.conf) for p in props)

@@ -22,7 +22,7 @@ from typing import Generic, TypeVar
 
 from dsde_core.cost import StepCosts
 from dsde_core.errors import ConfigError
-from dsde_core.policies.stopping import CONF_EPS, DraftStop
+from dsde_core.policies.stopping import CONFIDENCE_AS_P, AcceptModel, DraftStop
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class Plan:
     p_next: float | None = None
     """The cost-aware stop rule (stopping.py) applies to this row: the expected acceptance of a token not drafted
     yet. None: the row drafts k tokens (or stops by min_confidence)."""
-    accept_model: tuple[float, float, float] = (0.0, 1.0, CONF_EPS)
+    accept_model: AcceptModel = CONFIDENCE_AS_P
     """This row's acceptance model in the stop rule: p = sigmoid(a + s * logit(max(confidence, floor))), (a, s,
     floor)."""
     stop: DraftStop | None = None

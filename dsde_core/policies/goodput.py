@@ -74,7 +74,7 @@ import numpy as np
 from dsde_core.cost import OnlineCostModel, StepCosts
 from dsde_core.errors import ConfigError
 from dsde_core.policies.base import Plan, SeqInfo, SpeculationPolicy, StepFeedback
-from dsde_core.policies.stopping import CONF_EPS, DraftStop, logit, sigmoid
+from dsde_core.policies.stopping import CONF_EPS, AcceptModel, DraftStop, logit, sigmoid
 from dsde_core.signals import WVIR_FLAT_VARIANCE, scale_factor, wvir
 
 
@@ -145,7 +145,7 @@ class AcceptanceModel:
         self.forgetting = forgetting
         self.judged = 0
 
-    def row_model(self, x: float) -> tuple[float, float, float]:
+    def row_model(self, x: float) -> AcceptModel:
         """(a, s, floor) of one sequence: p = sigmoid(a + s * logit(max(c, floor))), a = w0 + w2 * x."""
         return float(self.w[0] + self.w[2] * x), float(self.w[1]), self.floor
 

@@ -37,6 +37,8 @@ from dsde_core.cost import StepCosts
 
 CONF_EPS = 1e-4  # confidences are clipped to [eps, 1 - eps] before the logit
 Fixed = Sequence[float | Sequence[float]]  # per row: seconds it costs if it drafts at all (by levels drafted)
+AcceptModel = tuple[float, float, float]  # (a, s, floor): p = sigmoid(a + s * logit(max(confidence, floor)))
+CONFIDENCE_AS_P: AcceptModel = (0.0, 1.0, CONF_EPS)  # p = the confidence itself
 
 
 def logit(c: float, floor: float = CONF_EPS) -> float:
@@ -66,7 +68,7 @@ class DraftStop:
     goodput: float  # lambda: output tokens per second the batch reaches
 
     @staticmethod
-    def accept_prob(confidence: float, model: tuple[float, float, float]) -> float:
+    def accept_prob(confidence: float, model: AcceptModel) -> float:
         """p: the chance that a drafted token of this confidence is accepted (given all before it were); model = (a,
         s, floor), the confidence clipped below at floor."""
         a, s, floor = model
