@@ -87,13 +87,16 @@ def test_collapse_with_batch_size_is_caught() -> None:
 
 
 def test_reading_reports_the_sl_chosen_against_static_opt() -> None:
-    """The SL against Static-opt's k (picked by latency); the throughput against the best static k by tokens/s."""
+    """The SL against Static-opt's k (picked by latency), and the best static k by tokens/s where it differs; the
+    throughput against the best static k by tokens/s."""
     cells = [_cell("code", 1, "off", 10.0), _cell("code", 1, "static:4", 15.0), _cell("code", 1, "static:2", 16.0),
              _cell("code", 1, "static-opt", 15.0, static_opt_k=4), _cell("code", 1, "dsde", 14.0),
              _cell("code", 1, "dsde-goodput", 16.0)]
     cells[-1]["metrics"]["sl_mean"] = 5.25
     text = goodput_report.reading({"bench": _doc(cells)}, None)
-    assert "code T=0 b1 5.2/4" in text and "1.00x to 1.00x of its throughput" in text
+    assert "code T=0 b1 5.2/4 (k=2 by tokens/s)." in text and "1.00x to 1.00x of its throughput" in text
+    cells[2]["metrics"]["output_tok_s"] = 14.0  # now k=4 is the best by both measures: named once
+    assert "code T=0 b1 5.2/4." in goodput_report.reading({"bench": _doc(cells)}, None)
 
 
 def test_reading_judges_the_gpu_profile_cells_of_the_simulator() -> None:

@@ -10,10 +10,12 @@ import pytest
 
 from dsde_bench import cli, provenance
 from dsde_bench.backend import tiny_backend
+from dsde_bench.recording import RecordingPolicy
 from dsde_bench.runner import CellRun, GridConfig, drive, format_row, median_run, run_grid, sampling_params
 from dsde_core.config import SamplingParams
+from dsde_core.cost import StepCosts
 from dsde_core.errors import ConfigError
-from dsde_core.policies import make_policy
+from dsde_core.policies import SeqInfo, StepFeedback, make_policy
 
 
 def _data_ok() -> bool:
@@ -88,6 +90,23 @@ def test_run_grid_tiny(backend) -> None:
     assert {"planned", "proposed", "accepted", "kld", "warm"} <= set(s["steps"][0])
     json.dumps(doc)  # JSON-serialisable as is
     assert "Static-opt (k=" in format_row(next(c for c in cells if c["policy"] == "static-opt"))
+
+
+def test_recording_keeps_the_draft_confidences_and_the_costs_each_plan_was_given() -> None:
+    """A cost-aware policy's choice is read after the fact from what it saw: the draft's confidence per proposed
+    token and the step costs of its plan, beside its own internals."""
+    rec = RecordingPolicy(make_policy("dsde-goodput"), watch=1)
+    costs = StepCosts(batch=2, verify_table=(0.1, 0.12, 0.13, 0.15), draft_table=(0.02, 0.025))
+    seqs = [SeqInfo("a", 0.0, 4), SeqInfo("b", 0.0, 4)]
+    rec.plan(seqs, costs)
+    rec.observe([StepFeedback("a", 4, 2, 1, kld=(0.1, 0.3), draft_conf=(0.9, 0.4)),
+                 StepFeedback("b", 4, 1, 1, kld=(0.2,), draft_conf=(0.8,))])
+    [row] = rec.series["a"]
+    assert row["conf"] == [0.9, 0.4] and row["draft_1_s"] == 0.02 and row["verify_b_s"] == 0.12
+    assert {"planned", "accepted", "p_first", "pbar"} <= set(row) and list(rec.series) == ["a"]  # watch=1
+    rec.plan(seqs, None)  # a plan without costs records none
+    rec.observe([StepFeedback("a", 1, 0, 0)])
+    assert "draft_1_s" not in rec.series["a"][-1] and "conf" not in rec.series["a"][-1]
 
 
 def test_sampling_params_seeds_differ_per_request() -> None:
