@@ -80,6 +80,21 @@ def test_a_cell_behind_by_tokens_per_second_but_not_by_mean_latency_is_named() -
     assert "Behind by tokens/s" not in goodput_report.reading({"bench": _doc(cells)}, None)
 
 
+def test_the_rounds_of_a_repeated_run_are_shown_beside_the_median_verdict() -> None:
+    """Each policy's median run sets the verdict; the round-by-round wall ratios (round-robin: a round's runs shared
+    the machine's load) show whether a miss is within the run-to-run spread."""
+    cells = [_cell("chat", 4, "off", 10.0), _cell("chat", 4, "static:2", 12.0), _cell("chat", 4, "dsde", 11.0),
+             _cell("chat", 4, "dsde-goodput", 11.7)]
+    cells[1]["walls_s"], cells[3]["walls_s"] = [10.0, 9.4, 10.0], [10.0, 10.0, 9.8]
+    [(_, figure, ok)] = goodput_report.targets({"bench": _doc(cells)})
+    assert ok is False and "1.000/0.940/1.020x by wall time round by round" in figure
+    text = goodput_report.reading({"bench": _doc(cells)}, None)
+    assert "chat T=0 b4 1.000/0.940/1.020x (ahead in 1 of 3)" in text
+    cells[3]["walls_s"] = [10.0, 10.0]  # rounds that do not pair up are not compared
+    assert "round by round" not in goodput_report.targets({"bench": _doc(cells)})[0][1]
+    assert "Run to run" not in goodput_report.reading({"bench": _doc(cells)}, None)
+
+
 def test_collapse_with_batch_size_is_caught() -> None:
     cells = [_cell("mixed", b, "dsde-goodput", v) for b, v in ((1, 10.0), (4, 20.0), (16, 17.0))]
     rows = [t for t in goodput_report.targets({"goodput_batch": _doc(cells)}) if t[0].startswith("no collapse")]
