@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= Write a Python function that returns the n-th Fibonacci number, with a docstring and type hints.
 
-.PHONY: setup models run generate test lint bench bench-sim bench-sim-fp32 bench-goodput bench-dsde-bound benchmarks-md perf clean dashboards load-test
+.PHONY: setup models run generate test lint bench bench-sim bench-sim-fp32 bench-sim-closed bench-goodput bench-dsde-bound benchmarks-md perf clean dashboards load-test
 
 PROMETHEUS := $(VENV)/opt/prometheus/.installed
 
@@ -69,6 +69,14 @@ bench-sim-fp32: models
 	$(VENV)/bin/dsde bench --simulate --dtype float32 --workloads code,chat,mixed --max-tokens 64 --warm-requests 4 \
 	  --validate --validate-batch-sizes 1 --validate-policies off,static:2,static:4,dsde,dsde-goodput --profiles gpu \
 	  --no-progress --no-report --no-plots --out results/simulate_fp32.json
+	$(PY) -m dsde_bench report
+
+# dsde-goodput on 16 prompts a workload in closed batches, as the real cells run their 4 (results/simulate_closed.json):
+# the batch-4 targets without timing noise, and against one static k for all the prompts instead of each cell's best.
+bench-sim-closed: models
+	$(VENV)/bin/dsde bench --simulate --sim-closed --workloads code,chat,mixed --num-prompts 16 --max-tokens 48 \
+	  --warm-requests 4 --sim-batch-sizes 1,4 --profiles measured,engine,gpu --no-progress --no-report --no-plots \
+	  --out results/simulate_closed.json
 	$(PY) -m dsde_bench report
 
 # The published figures (issues 4 and 7, then BENCHMARKS.md). One grid run of every policy, dsde-goodput and

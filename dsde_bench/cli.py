@@ -87,6 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--sim-batch-sizes", type=_ints, default=(1, 4, 16), help="default 1,4,16")
     s.add_argument("--sim-requests", type=int, default=None,
                    help="requests per replay (default max(prompts, 2 x batch))")
+    s.add_argument("--sim-closed", action="store_true",
+                   help="replay each group of BATCH prompts as its own closed batch with a fresh policy, as a "
+                        "`dsde bench` cell runs its prompts (each prompt once; not with --sim-requests)")
     s.add_argument("--horizon", type=int, default=None, help="draft rollout recorded per position (default --max-sl)")
     s.add_argument("--traces-dir", default=None,
                    help="where traces are kept (default $XDG_CACHE_HOME/dsde/traces: they hold the prompts' token "
@@ -255,6 +258,8 @@ def _simulate(args: argparse.Namespace) -> int:
     from dsde_bench.trace import Trace, record
     from dsde_bench.validate import validate
 
+    if args.sim_closed and args.sim_requests is not None:
+        raise ConfigError("--sim-closed runs each prompt once: drop --sim-requests")
     workloads = parse_workloads(args.workloads or ("all" if args.full else SMALL_WORKLOADS))
     n = args.num_prompts or (16 if args.full else 4)
     tokens = args.max_tokens or (128 if args.full else SIM_DEFAULT_TOKENS)
@@ -322,7 +327,7 @@ def _simulate(args: argparse.Namespace) -> int:
     print(f"{'profile':10} " + ROW_HEADER)
     doc = sweep(traces, policies, args.sim_batch_sizes, profiles, num_requests=args.sim_requests,
                 on_cell=lambda c: print(f"{c['profile'][:10]:10} " + format_row(
-                    {**c, "label": c.get("label", c["policy"])})), warm=warm)
+                    {**c, "label": c.get("label", c["policy"])})), warm=warm, closed=args.sim_closed)
     if args.validate:
         vpol = args.validate_policies or [p for p in policies if p != "oracle"]
         doc["validation"] = validate(get_backend(), traces, vpol, args.validate_batch_sizes, print_fn=print)

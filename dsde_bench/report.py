@@ -4,6 +4,7 @@
 
 Reads (each optional): results/bench.json (`dsde bench`), results/simulate.json (`dsde bench --simulate`),
 results/serve.json (`dsde bench --url ...`), results/goodput*.json (engine runs of dsde-goodput, issue 7),
+results/simulate_closed.json (`dsde bench --simulate --sim-closed`: more prompts in closed batches, issue 7),
 results/perf.json (benchmarks/perf.py) and results/kld_fidelity.json (benchmarks/kld_fidelity.py).
 The reading of the figures is templated from the numbers.
 """
@@ -651,7 +652,7 @@ def _relative_plots(doc: dict[str, Any] | None, page_dir: Path) -> None:
 def render(results_dir: str | Path = "results", page_dir: str | Path = ".") -> str:
     d = Path(results_dir)
     bench, sim, serve = load(d / "bench.json"), load(d / "simulate.json"), load(d / "serve.json")
-    sim_fp32 = load(d / "simulate_fp32.json")
+    sim_fp32, sim_closed = load(d / "simulate_fp32.json"), load(d / "simulate_closed.json")
     perf, kld = load(d / "perf.json"), load(d / "kld_fidelity.json")
     service_tp = load(d / "service_throughput.json")
     bound_pick, bound = load(d / "dsde_bound_pick.json"), load(d / "dsde_bound.json")
@@ -679,7 +680,7 @@ def render(results_dir: str | Path = "results", page_dir: str | Path = ".") -> s
 
     if bench and any(c["policy"] == "dsde-goodput" for c in bench["cells"]):
         goodput = {"bench": bench, **goodput}  # the main grid speaks to issue 7 too when it ran dsde-goodput
-    parts.append(goodput_report.section(goodput, sim))
+    parts.append(goodput_report.section(goodput, sim, sim_closed))
     if perf:
         parts.append(perf_section(perf))
     if service_tp:

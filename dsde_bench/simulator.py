@@ -390,7 +390,7 @@ class SimRun:
 
 def simulate(trace: Trace, policy: str | SpeculationPolicy, batch: int, max_sl: int | None = None,
              num_requests: int | None = None, max_tokens: int | None = None, watch: int = 0,
-             cost: CostModel | None = None, warm: Trace | None = None) -> SimRun:
+             cost: CostModel | None = None, warm: Trace | None = None, closed: bool = False) -> SimRun:
     """Replay `policy` on the trace with `batch` requests in flight (greedy, temperature 0).
     cost: the profile a cost-aware policy plans with (its schedule then holds for that profile only).
 
@@ -399,9 +399,17 @@ def simulate(trace: Trace, policy: str | SpeculationPolicy, batch: int, max_sl: 
     warm: a policy that learns across requests (dsde-goodput) first serves this trace's prompts, untimed, at the
     same batch size: the steady state of a server, as `dsde bench --warm-requests` runs it. The other policies keep
     no state across requests and skip it.
+    closed: the prompts run in closed batches of `batch`, in order, each to its end before the next starts and each
+    with a fresh policy (and its warm-up), as a `dsde bench` cell runs its prompts; one request per prompt.
     """
     if batch < 1:
         raise ConfigError(f"batch must be >= 1, got {batch}")
+    if closed:
+        if not isinstance(policy, str):
+            raise ConfigError("closed batches need a policy spec: each batch starts a fresh policy")
+        groups = [replace(trace, seqs=trace.seqs[i:i + batch]) for i in range(0, len(trace.seqs), batch)]
+        return _chain([simulate(g, policy, batch, max_sl, len(g.seqs), max_tokens, watch if i == 0 else 0, cost, warm)
+                       for i, g in enumerate(groups)])
     pol = make_sim_policy(policy) if isinstance(policy, str) else policy
     name = policy if isinstance(policy, str) else pol.name
     costs = ProfileCosts(cost) if cost is not None else None
@@ -410,6 +418,22 @@ def simulate(trace: Trace, policy: str | SpeculationPolicy, batch: int, max_sl: 
     rec = RecordingPolicy(pol, watch=watch)
     steps, everyone, finished = _replay(trace, rec, pol, batch, max_sl, num_requests, max_tokens, costs)
     return SimRun(name, batch, steps, everyone, finished, rec.series)
+
+
+def _chain(runs: Sequence[SimRun]) -> SimRun:
+    """Runs one after another as one schedule: each run's step indices shift by the steps before it."""
+    steps: list[tuple[list[int], list[int], list[int]]] = []
+    requests: list[_Live] = []
+    finished: dict[str, int] = {}
+    series: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        shift = len(steps)
+        steps += run.steps
+        requests += [replace(r, admitted_step=r.admitted_step + shift,
+                             first_step=None if r.first_step is None else r.first_step + shift) for r in run.requests]
+        finished.update({rid: step + shift for rid, step in run.finished_step.items()})
+        series.update(run.series)
+    return SimRun(runs[0].policy, runs[0].batch, steps, requests, finished, series)
 
 
 def _replay(trace: Trace, planner: SpeculationPolicy, pol: SpeculationPolicy, batch: int, max_sl: int | None,
@@ -525,12 +549,16 @@ DEFAULT_SIM_POLICIES: tuple[str, ...] = (
 def sweep(traces: Sequence[Trace], policies: Sequence[str], batch_sizes: Sequence[int], profiles: Sequence[CostModel],
           num_requests: int | None = None, watch: int = 2,
           on_cell: Callable[[dict[str, Any]], None] | None = None,
-          warm: Mapping[str, Trace] | None = None) -> dict[str, Any]:
+          warm: Mapping[str, Trace] | None = None, closed: bool = False) -> dict[str, Any]:
     """Every (workload, batch, policy) replayed once, priced under every profile. Returns the results document.
-    warm: per workload, the trace a policy that learns across requests serves first, untimed (see simulate)."""
+    warm: per workload, the trace a policy that learns across requests serves first, untimed (see simulate).
+    closed: each group of `batch` prompts runs as its own closed batch (see simulate); a cell's figures are over
+    all of them."""
     warm = warm or {}
     if "off" not in policies:
         raise ConfigError("the policies must include 'off': speedups are measured against it")
+    if closed and num_requests is not None:
+        raise ConfigError("closed batches run each prompt once: num_requests does not apply")
     cells: list[dict[str, Any]] = []
     series: list[dict[str, Any]] = []
     t0 = time.perf_counter()
@@ -538,14 +566,15 @@ def sweep(traces: Sequence[Trace], policies: Sequence[str], batch_sizes: Sequenc
     aware = {p for p in order if make_sim_policy(p).cost_aware}
     for tr in traces:
         for bs in batch_sizes:
-            n_req = num_requests if num_requests is not None else max(len(tr.seqs), 2 * bs)
+            n_req = None if closed else num_requests if num_requests is not None else max(len(tr.seqs), 2 * bs)
             w = watch if bs == batch_sizes[0] else 0
             # a cost-aware policy's schedule depends on the profile: replayed once per profile, the rest once
             wt = warm.get(tr.workload)
-            runs = {p: simulate(tr, p, bs, num_requests=n_req, watch=w, warm=wt) for p in order if p not in aware}
+            runs = {p: simulate(tr, p, bs, num_requests=n_req, watch=w, warm=wt, closed=closed)
+                    for p in order if p not in aware}
             for i, cost in enumerate(profiles):
-                runs.update({p: simulate(tr, p, bs, num_requests=n_req, watch=w if i == 0 else 0, cost=cost, warm=wt)
-                             for p in aware})
+                runs.update({p: simulate(tr, p, bs, num_requests=n_req, watch=w if i == 0 else 0, cost=cost, warm=wt,
+                                         closed=closed) for p in aware})
                 for p, run in runs.items():
                     if i == 0 or p in aware:
                         series += [{"workload": tr.workload, "batch": bs, "policy": p, "request": rid, "steps": rows,
@@ -576,6 +605,7 @@ def sweep(traces: Sequence[Trace], policies: Sequence[str], batch_sizes: Sequenc
                     "mean_match": _mean_match(t)} for t in traces],
         "warm_traces": [{"workload": t.workload, "prompts": len(t.seqs), "max_tokens": t.max_tokens}
                         for t in warm.values()],
+        "closed": closed,
         "cells": cells,
         "series": series,
         "elapsed_s": time.perf_counter() - t0,

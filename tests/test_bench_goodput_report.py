@@ -95,6 +95,22 @@ def test_the_rounds_of_a_repeated_run_are_shown_beside_the_median_verdict() -> N
     assert "Run to run" not in goodput_report.reading({"bench": _doc(cells)}, None)
 
 
+def test_the_closed_batch_simulator_run_is_held_against_one_static_k_for_all_its_prompts() -> None:
+    def cells(w: str, tok_s: dict[str, float]) -> list[dict[str, Any]]:
+        return [{"profile": "engine", "workload": w, "batch": 4, "policy": p, "metrics": {"output_tok_s": v}}
+                for p, v in tok_s.items()]
+
+    doc = {"cells": cells("chat", {"off": 20.0, "static:1": 24.0, "static:2": 25.0, "dsde": 22.0, "dsde-goodput": 25.5})
+           + cells("mixed", {"off": 20.0, "static:2": 26.0, "dsde": 23.0, "dsde-goodput": 25.0}),
+           "traces": [{"workload": "chat", "prompts": 16}], "meta": {"command": "dsde bench --simulate --sim-closed"}}
+    text = goodput_report.closed_table(doc)
+    assert "| engine | chat | 4 | 16 | static:2 (25.0) | 25.5 | 1.020x | 0.880x |" in text
+    assert "| engine | mixed | 4 | - | static:2 (26.0) | 25.0 | 0.962x | 0.885x |" in text
+    assert "at least as fast as that k in 1 of 2 rows" in text and "`dsde bench --simulate --sim-closed`" in text
+    assert "no closed-batch simulator run" in goodput_report.closed_table(None)
+    assert "More prompts in closed batches" in goodput_report.section({}, {"cells": []}, doc)
+
+
 def test_collapse_with_batch_size_is_caught() -> None:
     cells = [_cell("mixed", b, "dsde-goodput", v) for b, v in ((1, 10.0), (4, 20.0), (16, 17.0))]
     rows = [t for t in goodput_report.targets({"goodput_batch": _doc(cells)}) if t[0].startswith("no collapse")]

