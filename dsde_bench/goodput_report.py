@@ -2,8 +2,8 @@
 
 Reads the engine runs results/goodput*.json (`dsde bench --out results/goodput....json`, any grid that includes
 dsde-goodput), the simulator's results/simulate.json (the distance to the oracle) and results/simulate_closed.json
-(more prompts, in closed batches as the engine runs' cells). Throughput is output tokens
-per second of the whole cell (batch included); every ratio is taken between cells of the same run.
+(more prompts, in closed batches as the engine runs' cells). Throughput is output tokens per second of the whole
+cell (batch included); every ratio is taken between cells of the same run.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def reading(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
             so = best[1] if best else None
             gc, soc = _cell(cs, POLICY), _cell(cs, "static-opt")
             if name == "bench" and gc and soc:
-                k_lat, k_tput = soc.get("static_opt_k"), so and best[0].removeprefix("static:")
+                k_lat, k_tput = soc.get("static_opt_k"), best[0].removeprefix("static:") if best else None
                 by_tput = f" (k={k_tput} by tokens/s)" if k_tput and k_tput != str(k_lat) else ""
                 sl.append(f"{w} T={t:g} b{b} {gc['metrics']['sl_mean']:.1f}/{k_lat}{by_tput}")
             low += bool(g and _is_low_acceptance(cs))
