@@ -288,7 +288,7 @@ def section(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None, closed:
     met = sum(1 for *_, ok in tg if ok)
     runs = "\n".join(f"- `{n}`: `{d.get('meta', {}).get('command', '?')}` ({fmt(d.get('elapsed_s'), '.0f')} s"
                      f"{_where(d)})" for n, d in docs.items())
-    runs += _stale({**docs, **({"simulate": sim} if sim else {}), **({"simulate_closed": closed} if closed else {})})
+    runs += _stale({n: d for n, d in {**docs, "simulate": sim, "simulate_closed": closed}.items() if d})
     tables = "\n\n".join(f"#### {n}: {w}, T={t:g}, batch {b}\n\n{cells_table(cs)}"
                          for n, d in docs.items()
                          for (w, t, b), cs in groups(d["cells"], ("workload", "temperature", "batch")).items())

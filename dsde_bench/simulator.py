@@ -407,9 +407,11 @@ def simulate(trace: Trace, policy: str | SpeculationPolicy, batch: int, max_sl: 
     if closed:
         if not isinstance(policy, str):
             raise ConfigError("closed batches need a policy spec: each batch starts a fresh policy")
+        if num_requests is not None:
+            raise ConfigError("closed batches run each prompt once: num_requests does not apply")
         groups = [replace(trace, seqs=trace.seqs[i:i + batch]) for i in range(0, len(trace.seqs), batch)]
-        return _chain([simulate(g, policy, batch, max_sl, len(g.seqs), max_tokens, watch if i == 0 else 0, cost, warm)
-                       for i, g in enumerate(groups)])
+        return _chain([simulate(g, policy, batch, max_sl=max_sl, num_requests=len(g.seqs), max_tokens=max_tokens,
+                                watch=watch if i == 0 else 0, cost=cost, warm=warm) for i, g in enumerate(groups)])
     pol = make_sim_policy(policy) if isinstance(policy, str) else policy
     name = policy if isinstance(policy, str) else pol.name
     costs = ProfileCosts(cost) if cost is not None else None
@@ -557,8 +559,6 @@ def sweep(traces: Sequence[Trace], policies: Sequence[str], batch_sizes: Sequenc
     warm = warm or {}
     if "off" not in policies:
         raise ConfigError("the policies must include 'off': speedups are measured against it")
-    if closed and num_requests is not None:
-        raise ConfigError("closed batches run each prompt once: num_requests does not apply")
     cells: list[dict[str, Any]] = []
     series: list[dict[str, Any]] = []
     t0 = time.perf_counter()
@@ -566,7 +566,9 @@ def sweep(traces: Sequence[Trace], policies: Sequence[str], batch_sizes: Sequenc
     aware = {p for p in order if make_sim_policy(p).cost_aware}
     for tr in traces:
         for bs in batch_sizes:
-            n_req = None if closed else num_requests if num_requests is not None else max(len(tr.seqs), 2 * bs)
+            n_req = num_requests  # closed: None, each prompt once (simulate refuses a count)
+            if n_req is None and not closed:
+                n_req = max(len(tr.seqs), 2 * bs)
             w = watch if bs == batch_sizes[0] else 0
             # a cost-aware policy's schedule depends on the profile: replayed once per profile, the rest once
             wt = warm.get(tr.workload)
