@@ -17,7 +17,10 @@ least squares to (forwards, rows summed over them) -> seconds, on the calls that
 in context tokens (a sequence's first draft step prefills the draft with its whole context; a lagging cache catches
 up) prices them instead: C seconds per context token, the call's time beyond D over its context tokens, a running
 mean. A context token costs far less than a decode row (a prefill is one efficient GEMM), so D1 would overprice it
-several times over.
+several times over. After a pause in drafting longer than the fit's memory (50 steps) the fit is reopened (it keeps
+its values, not its confidence) before the next draft call is fitted: what it remembers is old, and the calls after
+the pause decide within a few of them (a burst of other work before the pause must not price the draft for good;
+dsde-goodput's pool probe times it again where nothing else drafts).
 """
 
 from __future__ import annotations
@@ -141,14 +144,22 @@ class _RLS:
     (which keeps it symmetric positive semi-definite and leaves the excited directions alone), and an update that
     is not finite is dropped."""
 
+    WINDUP = 100.0  # the covariance never grows past this many times the prior's
+
     def __init__(self, theta: Sequence[float], typical: Sequence[float], weight: float, forgetting: float) -> None:
         self.theta = np.asarray(theta, dtype=np.float64)
         # P is the coefficients' covariance over the timing noise's variance (the normal equations' inverse), so a
         # prior worth `weight` observations of each feature at its typical size x is P0 = 1 / (weight x^2), whatever
         # the noise and the coefficient's size
         self.p = np.diag(1.0 / (weight * np.asarray(typical, dtype=np.float64) ** 2))
-        self.max_var = 100.0 * float(np.max(np.diag(self.p)))  # windup cap
+        self.max_var = self.WINDUP * float(np.max(np.diag(self.p)))  # windup cap
         self.lam = forgetting
+        self.p0 = self.p.copy()  # [2, 2] the prior's covariance
+
+    def reopen(self) -> None:
+        """Keep the fit's values but (almost) none of its confidence, P + WINDUP P0 (the old data then count for a
+        hundredth of the prior's `weight` observations): after a long pause the next observations decide."""
+        self.p = self.p + self.WINDUP * self.p0
 
     def update(self, x: Sequence[float], y: float) -> None:
         x = np.asarray(x, dtype=np.float64)
@@ -170,6 +181,7 @@ class OnlineCostModel:
 
     prior: CostPrior = field(default_factory=CostPrior)
     observed: int = 0
+    draft_idle: int = 0  # steps since D was last fitted
 
     def __post_init__(self) -> None:
         self._seen: dict[int, deque[float]] = {}  # n -> the last `memory` seconds of a target forward over n tokens
@@ -200,7 +212,11 @@ class OnlineCostModel:
         elif draft_forwards > 0:
             if self._draft is None:
                 self._draft = _RLS(self._draft_prior(), [4.0, 16.0], p.weight, p.forgetting)
+            elif self.draft_idle > 1 / (1 - p.forgetting):  # a pause longer than the fit's memory: what it remembers
+                self._draft.reopen()  # is old (a burst of other work then may have made the draft look slow)
             self._draft.update([draft_forwards, draft_rows], draft_s)
+        timed = draft_forwards > 0 and draft_context < p.context_min  # D was fitted to this step
+        self.draft_idle = 0 if timed else self.draft_idle + 1
         self.observed += 1
 
     def _draft_fit(self) -> tuple[float, float]:

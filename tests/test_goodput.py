@@ -211,6 +211,33 @@ def test_a_sequence_with_a_cold_draft_cache_waits_longest_for_its_first_probe() 
     assert ks == [0] * 30
 
 
+def test_where_nothing_drafts_for_long_the_longest_row_probes_the_pool() -> None:
+    """The all-off trap: every row off and every request too short for its cold probe, so nothing would time or
+    judge the draft again. Every pool_probe_every plans without a drafting row, the row with the most tokens left
+    drafts once. (A warm row that is off probes on its own within probe_max plans.)"""
+    cfg = GoodputConfig(probe_every=4, probe_max=16, pool_probe_every=24)
+    pol = GoodputPolicy(cfg)
+    for r in range(30):  # earlier requests teach the pool that nothing is accepted
+        old = [SeqInfo(f"a{r}", 0.0, 8)]
+        for _ in range(4):
+            plans = pol.plan(old, CPU)
+            _feed(pol, plans, old, lambda k: 0, conf=0.2)
+        pol.release(f"a{r}")
+    seqs = [SeqInfo("short", 0.0, 8, remaining=10, draft_lag=100), SeqInfo("long", 0.0, 8, remaining=14,
+                                                                            draft_lag=100)]
+    ks = []
+    for _ in range(100):
+        plans = pol.plan(seqs, CPU)
+        ks.append([p.k for p in plans])
+        _feed(pol, plans, seqs, lambda k: 0, conf=0.2)
+    probes = [i for i, k in enumerate(ks) if any(k)]
+    assert len(probes) >= 3 and np.diff(probes).tolist() == [cfg.pool_probe_every] * (len(probes) - 1)
+    assert all(ks[i] == [0, 8] for i in probes)  # the row with the most tokens left, alone
+    assert pol.plan(seqs, CPU)[1].stop is None  # (between probes nothing drafts)
+    with pytest.raises(ConfigError, match="pool_probe_every"):
+        GoodputConfig(pool_probe_every=0)
+
+
 def _with_evidence(costs: StepCosts) -> GoodputPolicy:
     """A policy whose pool has seen 8 drafting steps of an earlier request, and explores no more: its first token
     was accepted every other step (the pool's priors then weigh half)."""
@@ -432,6 +459,26 @@ def test_online_cost_model_recovers_the_draft_forward() -> None:
         rows = [int(r) for r in rng.integers(1, 9, int(rng.integers(1, 9)))]  # rows drafting at each level
         model.observe(4 + sum(rows), v, len(rows), sum(rows), sum(d0 + d1 * r for r in rows))
     assert model.estimate(4).draft(3) == pytest.approx(d0 + 3 * d1, rel=0.05)
+
+
+def test_online_cost_model_relearns_the_draft_after_a_pause() -> None:
+    """A burst of other work makes the draft look 60% slower; drafting then stops for longer than the fit's memory
+    (every row off). Once the draft is timed again, a few calls at its true cost price it again; without the pause,
+    the burst's 200 calls still outweigh 32 new ones."""
+    def d1_after(pause: int, calls: int) -> float:
+        model = OnlineCostModel()
+        for i in range(200):
+            k, m = 1 + i % 6, 1 + i % 4  # k levels of m rows each
+            model.observe(m * (1 + k), 0.15, k, k * m, k * (0.059 + 0.0147 * m))
+        for _ in range(pause):
+            model.observe(1, 0.15, 0, 0, 0.0)  # target-only steps
+        for i in range(calls):
+            k, m = 1 + i % 3, 1 + i % 4
+            model.observe(m * (1 + k), 0.15, k, k * m, k * (0.04 + 0.005 * m))
+        return model.estimate(1).draft(1)
+
+    assert d1_after(60, 4) == pytest.approx(0.045, rel=0.1)
+    assert d1_after(0, 32) > 0.06 and d1_after(40, 4) > 0.06  # a pause within the fit's memory reopens nothing
 
 
 def test_policy_tracks_its_own_speedup_per_batch_size() -> None:

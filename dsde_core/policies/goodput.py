@@ -60,6 +60,11 @@ interval doubling up to `probe_max` while probes keep it off; probes fall on pla
 (one counter for the batch), so they share draft forwards. A sequence whose draft cache is empty (draft_lag > 0: it
 never drafted, or the draft restarted) waits `probe_max` plans, and probes only with probe_max tokens left: its
 first draft step also prefills the draft with its whole context, which fewer tokens will not recoup.
+Where no row has drafted for `pool_probe_every` (256) plans, the row with the most tokens left drafts once all the
+same (the pool probe): with every row off and every request shorter than probe_max nothing
+else would time or judge the draft again, and a burst of other work on the machine that once made the draft look
+slow (a draft fit of 0.059 + 0.015 m s where it is 0.04 + 0.005 m) would keep speculation off for good. The
+cost model re-learns the draft quickly after such a pause (dsde_core.cost).
 """
 
 from __future__ import annotations
@@ -95,6 +100,7 @@ class GoodputConfig:
     prior_pbar: float = 0.7
     probe_every: int = 8
     probe_max: int = 64
+    pool_probe_every: int = 256  # plans without any drafting row before the longest row probes (see the module doc)
     window: int = 30  # DSDE's N: KLD history for WVIR
     delta: float = 0.9  # WVIR's decay
     speedup_rate: float = 0.2  # per decode step, of rho_B (memory ~5 steps)
@@ -120,6 +126,7 @@ class GoodputConfig:
             (0.0 < self.delta <= 1.0, f"delta must be in (0, 1], got {self.delta}"),
             (1 <= self.probe_every <= self.probe_max, f"need 1 <= probe_every <= probe_max, got "
                                                       f"{self.probe_every}, {self.probe_max}"),
+            (self.pool_probe_every >= 1, f"pool_probe_every must be >= 1, got {self.pool_probe_every}"),
             (0.0 < self.speedup_rate <= 1.0, f"speedup_rate must be in (0, 1], got {self.speedup_rate}"),
             (self.speedup_start > 0, f"speedup_start must be > 0, got {self.speedup_start}"),
         ]
@@ -227,6 +234,7 @@ class GoodputPolicy(SpeculationPolicy):
         cfg = self.config = config or GoodputConfig()
         self._states: dict[str, _State] = {}
         self._plans = 0
+        self._drafted_at = 0  # the last plan in which a row drafted
         self._models = {g: AcceptanceModel(cfg.prior_weights, cfg.prior_variance, cfg.forgetting,
                                            CONF_EPS if g else cfg.sampled_floor) for g in (True, False)}
         self._pool_first = cfg.prior_first
@@ -288,9 +296,22 @@ class GoodputPolicy(SpeculationPolicy):
                 else:
                     k = 0
             st.last_k = k
-            model = self._models[st.greedy].row_model(st.x)
-            plans.append(Plan(k, p_next=st.pbar, accept_model=model, stop=stop, worth=worth[i]) if k > 0 else Plan(0))
+            plans.append(self._drafting(st, k, stop, worth[i]) if k > 0 else Plan(0))
+        if any(p.k > 0 for p in plans):
+            self._drafted_at = self._plans
+        elif rows and self._plans - self._drafted_at >= cfg.pool_probe_every:
+            # the pool probe: no row has drafted for pool_probe_every plans (every row off, and cold: a warm row that
+            # is off probes within probe_max plans; too short for its own probe), so the row with the most tokens
+            # left drafts once, and the draft is timed and judged afresh
+            i = max(rows, key=lambda j: (math.inf if seqs[j].remaining is None else seqs[j].remaining, -j))
+            st = states[i]
+            st.probing, st.off_since, st.last_k = True, self._plans, ks[i]
+            plans[i] = self._drafting(st, ks[i], stop, worth[i])
+            self._drafted_at = self._plans
         return plans
+
+    def _drafting(self, st: _State, k: int, stop: DraftStop, worth: float) -> Plan:
+        return Plan(k, p_next=st.pbar, accept_model=self._models[st.greedy].row_model(st.x), stop=stop, worth=worth)
 
     def observe(self, feedback: Sequence[StepFeedback]) -> None:
         cfg = self.config
