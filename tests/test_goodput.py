@@ -175,19 +175,25 @@ def test_a_new_sequence_starts_from_what_the_earlier_drafts_saw() -> None:
     assert plans[0].k == 0 and pol.stats("b")["p_first"] < 0.5
 
 
+def _taught_nothing_is_accepted(cfg: GoodputConfig) -> GoodputPolicy:
+    """A policy whose pool has seen 30 earlier requests of 4 drafting steps each, none of whose tokens was accepted."""
+    pol = GoodputPolicy(cfg)
+    for r in range(30):
+        old = [SeqInfo(f"a{r}", 0.0, 8)]
+        for _ in range(4):
+            plans = pol.plan(old, CPU)
+            _feed(pol, plans, old, lambda k: 0, conf=0.2)
+        pol.release(f"a{r}")
+    return pol
+
+
 def test_a_sequence_with_a_cold_draft_cache_waits_longest_for_its_first_probe() -> None:
     """Where the pooled evidence says drafting does not pay, a new sequence starts off. If its draft cache is empty
     (the engine says so: draft_lag > 0), its first probe would also prefill the draft with its whole context: that
     probe comes only after probe_max plans, and only if it has probe_max tokens left. A sequence whose draft cache is
     warm probes after probe_every plans."""
     cfg = GoodputConfig(probe_every=4, probe_max=16)
-    pol = GoodputPolicy(cfg)
-    for r in range(30):  # earlier requests teach the pool that nothing is accepted
-        old = [SeqInfo(f"a{r}", 0.0, 8)]
-        for _ in range(4):
-            plans = pol.plan(old, CPU)
-            _feed(pol, plans, old, lambda k: 0, conf=0.2)
-        pol.release(f"a{r}")
+    pol = _taught_nothing_is_accepted(cfg)
 
     def first_probe(seq: SeqInfo) -> int:
         ks = []
@@ -216,13 +222,7 @@ def test_where_nothing_drafts_for_long_the_longest_row_probes_the_pool() -> None
     judge the draft again. Every pool_probe_every plans without a drafting row, the row with the most tokens left
     drafts once. (A warm row that is off probes on its own within probe_max plans.)"""
     cfg = GoodputConfig(probe_every=4, probe_max=16, pool_probe_every=24)
-    pol = GoodputPolicy(cfg)
-    for r in range(30):  # earlier requests teach the pool that nothing is accepted
-        old = [SeqInfo(f"a{r}", 0.0, 8)]
-        for _ in range(4):
-            plans = pol.plan(old, CPU)
-            _feed(pol, plans, old, lambda k: 0, conf=0.2)
-        pol.release(f"a{r}")
+    pol = _taught_nothing_is_accepted(cfg)
     seqs = [SeqInfo("short", 0.0, 8, remaining=10, draft_lag=100), SeqInfo("long", 0.0, 8, remaining=14,
                                                                             draft_lag=100)]
     ks = []
