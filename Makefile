@@ -87,15 +87,16 @@ bench-sim-closed: models
 # T=1, and a deliberately weak draft); throughput against batch size up to 16 (the cap, and no collapse).
 # dsde-goodput learns across requests: each of its cells first serves 4 other prompts of the workload, untimed
 # (--warm-requests: the steady state of a server; the other policies keep no state across requests).
-# Each cell of the T=0 grid and of the low-acceptance runs is the median of 3 runs (round-robin over the policies):
-# a cell of 4 prompts x 48 tokens varies by a few percent from run to run here. The batch-size sweep (16 prompts a
-# cell) runs once.
+# Each cell of the T=0 grid and of the low-acceptance runs is the median of 5 runs (round-robin over the policies):
+# a cell of 4 prompts x 48 tokens varies by a few percent from run to run here (3 rounds: the three walls of a cell
+# spanned 4-8% of their median, and two policies running the same forwards read 0.937x). The batch-size sweep (16
+# prompts a cell) runs once.
 GP_POLICIES := off,static:1,static:2,static:4,dsde,dsde-goodput
 GRID_POLICIES := off,static:1,static:2,static:3,static:4,static:6,static:8,heuristic,adaedl,dsde-nocap,dsde,dsde-goodput
 GP_COMMON := --no-anchor --no-plots --no-progress --no-report --num-prompts 4 --max-tokens 48 --warm-requests 4 \
-  --repeats 3
+  --repeats 5
 bench-goodput: models
-	$(VENV)/bin/dsde bench --no-progress --no-report --num-prompts 4 --max-tokens 48 --warm-requests 4 --repeats 3 \
+	$(VENV)/bin/dsde bench --no-progress --no-report --num-prompts 4 --max-tokens 48 --warm-requests 4 --repeats 5 \
 	  --workloads code,chat,mixed --batch-sizes 1,4 --temperatures 0 --policies $(GRID_POLICIES) --out results/bench.json
 	$(VENV)/bin/dsde bench $(GP_COMMON) --workloads chat --batch-sizes 1,4 --temperatures 1 \
 	  --policies $(GP_POLICIES) --out results/goodput_lowacc.json
