@@ -140,8 +140,9 @@ def reading(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
                     split.append(f"{w} T={t:g} b{b} ({g / so:.3f}x by tokens/s, {lat:.3f}x by mean latency)")
                 rounds = _rounds(cs, best[0])
                 if g < so and rounds:
-                    spread.append(f"{w} T={t:g} b{b} {_fmt_rounds(rounds)} (ahead in {sum(r > 1 for r in rounds)} "
-                                  f"of {len(rounds)})")
+                    ahead = sum(r > 1 for r in rounds)
+                    spread.append((2 * ahead >= len(rounds), f"{w} T={t:g} b{b} {_fmt_rounds(rounds)} (ahead in "
+                                                             f"{ahead} of {len(rounds)})"))
             if g and d:
                 vs_d.append(g / d)
     lines = []
@@ -156,10 +157,14 @@ def reading(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
                      "tokens per unit of step time for the batch as a whole: it spends drafts on the rows that accept "
                      "well and can leave a weak row to finish last. The targets above are judged by tokens/s.")
     if spread:
+        noise, short = ([c for ok, c in spread if ok is side] for side in (True, False))
         lines.append("- **Run to run, where it is behind the best static k**: its wall time / dsde-goodput's in each "
-                     "round of the run (the policies run round-robin, so a round's runs shared the machine's load): "
-                     + ", ".join(spread) + ". The verdicts above take each policy's median run; where dsde-goodput "
-                     "was ahead in some round, the gap is within this machine's run-to-run spread.")
+                     "round of the run (the policies run round-robin, so a round's runs shared the machine's load). "
+                     "The verdicts above take each policy's median run."
+                     + (" Ahead in at least half the rounds, so the gap is within this machine's run-to-run spread: "
+                        + ", ".join(noise) + "." if noise else "")
+                     + (" Behind in most rounds, so a shortfall rather than noise: " + ", ".join(short) + "."
+                        if short else ""))
     if vs_d:
         lines.append(f"- **Against DSDE with the cap**: {min(vs_d):.2f}x to {max(vs_d):.2f}x; at least as fast in "
                      f"{sum(r >= 1 for r in vs_d)} of {len(vs_d)} cells.")
