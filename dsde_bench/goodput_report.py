@@ -157,7 +157,8 @@ def reading(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
                      "tokens per unit of step time for the batch as a whole: it spends drafts on the rows that accept "
                      "well and can leave a weak row to finish last. The targets above are judged by tokens/s.")
     if spread:
-        noise, short = ([c for ok, c in spread if ok is side] for side in (True, False))
+        noise = [cell for within, cell in spread if within]  # ahead in at least half the rounds
+        short = [cell for within, cell in spread if not within]
         lines.append("- **Run to run, where it is behind the best static k**: its wall time / dsde-goodput's in each "
                      "round of the run (the policies run round-robin, so a round's runs shared the machine's load). "
                      "The verdicts above take each policy's median run."
