@@ -90,7 +90,9 @@ bench-sim-closed: models
 # Each cell of the T=0 grid and of the low-acceptance runs is the median of 5 runs (round-robin over the policies):
 # a cell of 4 prompts x 48 tokens varies by a few percent from run to run here (3 rounds: the three walls of a cell
 # spanned 4-8% of their median, and two policies running the same forwards read 0.937x). The batch-size sweep (16
-# prompts a cell) runs once.
+# prompts a cell) runs once. The T=1 run generates max_tokens past EOS (--ignore-eos): at T > 0 each policy draws its
+# own samples, so with EOS a request's length differs by policy and tokens/s compares different amounts of work (the
+# 5-round run of e55f187: dsde-goodput's median run at batch 4 emitted 179 tokens, static:2's 192).
 GP_POLICIES := off,static:1,static:2,static:4,dsde,dsde-goodput
 GRID_POLICIES := off,static:1,static:2,static:3,static:4,static:6,static:8,heuristic,adaedl,dsde-nocap,dsde,dsde-goodput
 GP_COMMON := --no-anchor --no-plots --no-progress --no-report --num-prompts 4 --max-tokens 48 --warm-requests 4 \
@@ -98,7 +100,7 @@ GP_COMMON := --no-anchor --no-plots --no-progress --no-report --num-prompts 4 --
 bench-goodput: models
 	$(VENV)/bin/dsde bench --no-progress --no-report --num-prompts 4 --max-tokens 48 --warm-requests 4 --repeats 5 \
 	  --workloads code,chat,mixed --batch-sizes 1,4 --temperatures 0 --policies $(GRID_POLICIES) --out results/bench.json
-	$(VENV)/bin/dsde bench $(GP_COMMON) --workloads chat --batch-sizes 1,4 --temperatures 1 \
+	$(VENV)/bin/dsde bench $(GP_COMMON) --workloads chat --batch-sizes 1,4 --temperatures 1 --ignore-eos \
 	  --policies $(GP_POLICIES) --out results/goodput_lowacc.json
 	$(VENV)/bin/dsde bench $(GP_COMMON) --workloads mixed --batch-sizes 1,4 --temperatures 0 --draft-noise 8 \
 	  --policies $(GP_POLICIES) --out results/goodput_weak.json
