@@ -9,6 +9,7 @@ cell (batch included); every ratio is taken between cells of the same run.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from dsde_bench.provenance import POLICY_CODE, contains, last_change
@@ -61,6 +62,25 @@ def _best_static(cells: Sequence[dict[str, Any]]) -> tuple[str, float] | None:
     return max(_static(cells), key=lambda s: s[1], default=None)
 
 
+@dataclass(frozen=True)
+class _Versus:
+    """dsde-goodput's tokens/s in one (workload, T, batch) group, and the figures it is held against."""
+
+    goodput: float | None
+    off: float | None
+    best: tuple[str, float] | None  # the static k of the best tokens/s
+    dsde: float | None
+    latency: float | None  # that static k's mean latency / dsde-goodput's
+    rounds: dict[str, list[float]]  # by policy (that static k, dsde): its walls / dsde-goodput's round by round
+
+
+def _versus(cells: Sequence[dict[str, Any]]) -> _Versus:
+    best = _best_static(cells)
+    return _Versus(_tput(cells, POLICY), _tput(cells, "off"), best, _tput(cells, "dsde"),
+                   _latency_ratio(cells, best[0]) if best else None,
+                   {p: _rounds(cells, p) for p in ([best[0]] if best else []) + ["dsde"]})
+
+
 def _is_low_acceptance(cells: Sequence[dict[str, Any]]) -> bool:
     """Where speculation does not pay: DSDE and every static k below target-only."""
     off, statics = _tput(cells, "off"), [t for _, t in _static(cells)]
@@ -74,11 +94,11 @@ def targets(docs: dict[str, dict[str, Any]]) -> list[tuple[str, str, bool | None
         noise = doc.get("backend", {}).get("draft_noise")
         where = f"{name}" + (f", draft noise {noise:g}" if noise else "")
         for (w, t, b), cs in groups(doc["cells"], ("workload", "temperature", "batch")).items():
-            g, off = _tput(cs, POLICY), _tput(cs, "off")
+            v = _versus(cs)
+            g, off, best, d = v.goodput, v.off, v.best, v.dsde
             if g is None or off is None:
                 continue
             cell = f"{w}, T={t:g}, batch {b} ({where})"
-            best, d = _best_static(cs), _tput(cs, "dsde")
             if _is_low_acceptance(cs):
                 best = best or ("-", float("nan"))
                 same = ("; it drafted nothing, so it ran target-only's forwards token for token: any gap is "
@@ -91,13 +111,13 @@ def targets(docs: dict[str, dict[str, Any]]) -> list[tuple[str, str, bool | None
                 so_k, so_t = best
                 ok = g > max(so_t, d) if w == "mixed" else g >= max(so_t, d)
                 rel = ">" if w == "mixed" else ">="
-                lat = _latency_ratio(cs, so_k)
-                by_lat = f", {lat:.3f}x by mean latency" if lat else ""
-                rounds = _rounds(cs, so_k)
+                by_lat = f", {v.latency:.3f}x by mean latency" if v.latency else ""
+                rounds, d_rounds = v.rounds[so_k], v.rounds["dsde"] if g < d else []  # DSDE's where it is behind
                 by_round = f", {_fmt_rounds(rounds)} by wall time round by round" if rounds else ""
+                d_by_round = f" ({_fmt_rounds(d_rounds)} round by round)" if d_rounds else ""
                 out.append((f"{rel} Static-opt and DSDE+cap, {cell}",
-                            f"{g / so_t:.3f}x Static-opt by tokens/s ({so_k}){by_lat}{by_round}, {g / d:.3f}x DSDE",
-                            ok))
+                            f"{g / so_t:.3f}x Static-opt by tokens/s ({so_k}){by_lat}{by_round}, {g / d:.3f}x DSDE"
+                            f"{d_by_round}", ok))
         sizes = sorted({c["batch"] for c in doc["cells"]})
         if len(sizes) >= 3:
             for (w, t), cs in groups(doc["cells"], ("workload", "temperature")).items():
@@ -125,7 +145,8 @@ def reading(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
     vs_so, vs_d, sl, low, split, spread = [], [], [], 0, [], []
     for name, doc in docs.items():
         for (w, t, b), cs in groups(doc["cells"], ("workload", "temperature", "batch")).items():
-            g, d, best = _tput(cs, POLICY), _tput(cs, "dsde"), _best_static(cs)
+            v = _versus(cs)
+            g, d, best = v.goodput, v.dsde, v.best
             so = best[1] if best else None
             gc, soc = _cell(cs, POLICY), _cell(cs, "static-opt")
             if name == "bench" and gc and soc:
@@ -135,14 +156,15 @@ def reading(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
             low += bool(g and _is_low_acceptance(cs))
             if g and so:
                 vs_so.append(g / so)
-                lat = _latency_ratio(cs, best[0])
-                if g < so and lat and lat >= 1:
-                    split.append(f"{w} T={t:g} b{b} ({g / so:.3f}x by tokens/s, {lat:.3f}x by mean latency)")
-                rounds = _rounds(cs, best[0])
-                if g < so and rounds:
+                if g < so and v.latency and v.latency >= 1:
+                    split.append(f"{w} T={t:g} b{b} ({g / so:.3f}x by tokens/s, {v.latency:.3f}x by mean latency)")
+            for pol, x in ((best[0] if best else "", so), ("dsde", d)):  # the rounds against each it is behind
+                rounds = v.rounds.get(pol, []) if g and x and g < x else []
+                if rounds:
                     ahead = sum(r > 1 for r in rounds)
-                    spread.append((2 * ahead >= len(rounds), f"{w} T={t:g} b{b} {_fmt_rounds(rounds)} (ahead in "
-                                                             f"{ahead} of {len(rounds)})"))
+                    label = "DSDE" if pol == "dsde" else pol
+                    spread.append((2 * ahead >= len(rounds), f"{w} T={t:g} b{b} against {label} {_fmt_rounds(rounds)}"
+                                                             f" (ahead in {ahead} of {len(rounds)})"))
             if g and d:
                 vs_d.append(g / d)
     lines = []
@@ -159,8 +181,9 @@ def reading(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
     if spread:
         noise = [cell for within, cell in spread if within]  # ahead in at least half the rounds
         short = [cell for within, cell in spread if not within]
-        lines.append("- **Run to run, where it is behind the best static k**: its wall time / dsde-goodput's in each "
-                     "round of the run (the policies run round-robin, so a round's runs shared the machine's load). "
+        lines.append("- **Run to run, where it is behind the best static k or DSDE**: their wall time / "
+                     "dsde-goodput's in each round of the run (the policies run round-robin, so a round's runs shared "
+                     "the machine's load). "
                      "The verdicts above take each policy's median run."
                      + (" Ahead in at least half the rounds, so the gap is within this machine's run-to-run spread: "
                         + ", ".join(noise) + "." if noise else "")
@@ -237,7 +260,8 @@ def closed_table(doc: dict[str, Any] | None) -> str:
     rows, ahead = [], []
     prompts = {t["workload"]: t["prompts"] for t in doc.get("traces", [])}
     for (p, w, b), cs in groups(doc["cells"], ("profile", "workload", "batch")).items():
-        best, g, d = _best_static(cs), _tput(cs, POLICY), _tput(cs, "dsde")
+        v = _versus(cs)
+        best, g, d = v.best, v.goodput, v.dsde
         if not best or g is None:
             continue
         ahead.append(g >= best[1])

@@ -90,14 +90,30 @@ def test_the_rounds_of_a_repeated_run_are_shown_beside_the_median_verdict() -> N
     [(_, figure, ok)] = goodput_report.targets({"bench": _doc(cells)})
     assert ok is False and "1.000/0.940/1.020x by wall time round by round" in figure
     text = goodput_report.reading({"bench": _doc(cells)}, None)
-    assert "Behind in most rounds, so a shortfall rather than noise: chat T=0 b4 1.000/0.940/1.020x (ahead in 1 of 3)" \
-        in text and "within this machine's run-to-run spread" not in text
+    assert ("Behind in most rounds, so a shortfall rather than noise: chat T=0 b4 against static:2 1.000/0.940/1.020x "
+            "(ahead in 1 of 3)") in text and "within this machine's run-to-run spread" not in text
     cells[3]["walls_s"] = [10.0, 9.0, 9.8]  # ahead in 2 of 3: within the spread
     text = goodput_report.reading({"bench": _doc(cells)}, None)
-    assert "run-to-run spread: chat T=0 b4" in text and "shortfall" not in text
+    assert "run-to-run spread: chat T=0 b4 against static:2" in text and "shortfall" not in text
     cells[3]["walls_s"] = [10.0, 10.0]  # rounds that do not pair up are not compared
     assert "round by round" not in goodput_report.targets({"bench": _doc(cells)})[0][1]
     assert "Run to run" not in goodput_report.reading({"bench": _doc(cells)}, None)
+
+
+def test_the_rounds_against_dsde_are_shown_where_it_is_behind_dsde() -> None:
+    """A cell behind DSDE with the cap gives DSDE's round-by-round walls too, and the reading judges them as it judges
+    the static k's; a policy it is ahead of is not listed there, nor DSDE's rounds in a cell it is ahead of DSDE."""
+    cells = [_cell("code", 1, "off", 10.0), _cell("code", 1, "static:8", 12.0), _cell("code", 1, "dsde", 13.2),
+             _cell("code", 1, "dsde-goodput", 13.0)]
+    cells[1]["walls_s"], cells[2]["walls_s"], cells[3]["walls_s"] = [11.0, 11.0, 11.0], [9.7, 9.5, 10.2], [10.0] * 3
+    [(_, figure, ok)] = goodput_report.targets({"bench": _doc(cells)})
+    assert ok is False and "0.985x DSDE (0.970/0.950/1.020x round by round)" in figure
+    text = goodput_report.reading({"bench": _doc(cells)}, None)
+    assert "shortfall rather than noise: code T=0 b1 against DSDE 0.970/0.950/1.020x (ahead in 1 of 3)" in text
+    assert "against static:8" not in text
+    cells[2]["metrics"]["output_tok_s"] = 12.9
+    [(_, figure, ok)] = goodput_report.targets({"bench": _doc(cells)})
+    assert ok is True and figure.endswith("1.008x DSDE")
 
 
 def test_the_closed_batch_simulator_run_is_held_against_one_static_k_for_all_its_prompts() -> None:
