@@ -92,7 +92,9 @@ bench-sim-closed: models
 # spanned 4-8% of their median, and two policies running the same forwards read 0.937x). The batch-size sweep (16
 # prompts a cell) runs once. The T=1 run generates max_tokens past EOS (--ignore-eos): at T > 0 each policy draws its
 # own samples, so with EOS a request's length differs by policy and tokens/s compares different amounts of work (the
-# 5-round run of e55f187: dsde-goodput's median run at batch 4 emitted 179 tokens, static:2's 192).
+# 5-round run of e55f187: dsde-goodput's median run at batch 4 emitted 179 tokens, static:2's 192). At T > 0 each
+# round samples with new seeds, the same for every policy (dsde_bench/runner.py, round_seed): with one seed a static
+# k replayed one trajectory in all 5 rounds (55 steps each at T=1 b1), so its median was a single draw.
 GP_POLICIES := off,static:1,static:2,static:4,dsde,dsde-goodput
 GRID_POLICIES := off,static:1,static:2,static:3,static:4,static:6,static:8,heuristic,adaedl,dsde-nocap,dsde,dsde-goodput
 GP_COMMON := --no-anchor --no-plots --no-progress --no-report --num-prompts 4 --max-tokens 48 --warm-requests 4 \

@@ -60,7 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                 "hf-generate (default: the two assisted ones)")
     g.add_argument("--no-anchor", action="store_true", help="skip transformers' assisted generation")
     g.add_argument("--ignore-eos", action="store_true", help="generate max_tokens even after EOS")
-    g.add_argument("--repeats", type=int, default=1, help="runs per cell, the median run kept (default 1)")
+    g.add_argument("--repeats", type=int, default=1, help="runs per cell, the median run kept (default 1); at T > 0 "
+                   "each round samples with new seeds, the same for every policy")
     g.add_argument("--warm-requests", type=int, default=0,
                    help="a policy that learns across requests (dsde-goodput) first serves this many other prompts of "
                         "the workload, untimed: the steady state of a server (default 0: a cold start per cell); "

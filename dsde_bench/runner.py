@@ -34,6 +34,10 @@ from dsde_core.policies import make_policy
 STATIC_KS: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
 WARM_SEED_OFFSET = 1000
 """Warm-up prompts are sampled with seed + this, and never among the cell's own prompts."""
+ROUND_SEED_STRIDE = 10_000
+"""At T > 0, round r of a repeated cell samples its requests with seed + r * this (every policy the same seeds within
+a round): with one seed, a static k replays one trajectory in every round, so its median run is one draw of its
+tokens, and the best static k in hindsight the luckiest of several such draws."""
 FULL_POLICIES: tuple[str, ...] = (
     "off", *(f"static:{k}" for k in STATIC_KS), "heuristic", "adaedl", "acceptance", "dsde-nocap", "dsde",
     "dsde-goodput",
@@ -170,6 +174,12 @@ def sampling_params(n: int, max_tokens: int, temperature: float, seed: int, igno
             for i in range(n)]
 
 
+def round_seed(seed: int, round_: int, temperature: float) -> int:
+    """The sampling seed of a repeated cell's round: a new one each round at T > 0 (ROUND_SEED_STRIDE); greedy
+    decoding draws nothing, so T = 0 keeps the seed."""
+    return seed + round_ * ROUND_SEED_STRIDE if temperature > 0 else seed
+
+
 @dataclass(frozen=True)
 class Warmup:
     """Other prompts of the workload, served untimed by a policy that learns across requests before its cell."""
@@ -261,7 +271,6 @@ def run_grid(backend: Backend, cfg: GridConfig, print_fn: Callable[[str], None] 
         workload_prompts[w] = [{"id": pid, "tokens": len(x)} for pid, x in zip(pids, ids, strict=True)]
         warm_prompts = other_prompts(w, cfg.warm_requests, cfg.seed, cfg.max_chars, prompts)
         for temp in cfg.temperatures:
-            params = sampling_params(len(ids), cfg.max_tokens, temp, cfg.seed, cfg.ignore_eos)
             warm = Warmup([backend.encode(p.text) for p in warm_prompts], [f"warm-{i}" for i in range(
                 len(warm_prompts))], sampling_params(len(warm_prompts), cfg.max_tokens, temp,
                                                      cfg.seed + WARM_SEED_OFFSET, cfg.ignore_eos))
@@ -272,6 +281,8 @@ def run_grid(backend: Backend, cfg: GridConfig, print_fn: Callable[[str], None] 
                 runs: dict[str, list[tuple[CellRun, list[float | None]]]] = {}
                 group: list[dict[str, Any]] = []
                 for rep in range(cfg.repeats):
+                    params = sampling_params(len(ids), cfg.max_tokens, temp, round_seed(cfg.seed, rep, temp),
+                                             cfg.ignore_eos)
                     for pol in policies:
                         load0 = _loadavg()
                         run = run_cell(backend.engine, pol, ids, pids, params, bs, cfg.watch, warm)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dsde_bench import cli, provenance
+from dsde_bench import cli, provenance, runner
 from dsde_bench.backend import tiny_backend
 from dsde_bench.recording import RecordingPolicy
 from dsde_bench.runner import CellRun, GridConfig, drive, format_row, median_run, run_grid, sampling_params
@@ -221,6 +221,29 @@ def test_repeats_keep_the_median_run(backend) -> None:
     assert all(c["repeats"] == 3 and len(c["loadavg"]) == 2 and len(c["walls_s"]) == 3 for c in cells)
     for c in cells:  # the cell's figures are its median run's
         assert c["metrics"]["wall_s"] == pytest.approx(sorted(c["walls_s"])[1], abs=1e-3)
+
+
+@needs_data
+def test_sampled_rounds_draw_new_seeds_shared_by_every_policy(backend, monkeypatch) -> None:
+    """At T > 0 each round of a repeated cell samples with new seeds, the same for every policy in the round; a
+    greedy cell keeps one seed (it draws nothing)."""
+    seen: list[tuple[float, str, list[int | None]]] = []
+    run_cell = runner.run_cell
+
+    def spy(engine, policy, prompts, prompt_ids, params, *args, **kwargs):
+        seen.append((params[0].temperature, policy, [p.seed for p in params]))
+        return run_cell(engine, policy, prompts, prompt_ids, params, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "run_cell", spy)
+    cfg = GridConfig(workloads=("code",), policies=("off", "static:2"), batch_sizes=(2,), temperatures=(0.0, 1.0),
+                     num_prompts=2, max_tokens=3, anchor=(), warmup=False, repeats=2, seed=5)
+    run_grid(backend, cfg, print_fn=lambda s: None, progress=False)
+    greedy = [s for t, _, s in seen if t == 0.0]
+    sampled = [(p, s) for t, p, s in seen if t == 1.0]
+    assert greedy == [[5, 6]] * 4
+    assert sampled == [("off", [5, 6]), ("static:2", [5, 6]), ("off", [10_005, 10_006]),
+                       ("static:2", [10_005, 10_006])]
+    assert runner.round_seed(5, 3, 0.7) == 30_005 and runner.round_seed(5, 3, 0.0) == 5
 
 
 def test_median_run_of_an_even_count_is_the_faster_middle_one() -> None:
