@@ -163,8 +163,9 @@ def reading(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
                 if rounds:
                     ahead = sum(r > 1 for r in rounds)
                     label = "DSDE" if pol == "dsde" else pol
-                    spread.append((2 * ahead >= len(rounds), f"{w} T={t:g} b{b} against {label} {_fmt_rounds(rounds)}"
-                                                             f" (ahead in {ahead} of {len(rounds)})"))
+                    kind = "within" if 2 * ahead >= len(rounds) else "drawn" if t > 0 else "short"
+                    spread.append((kind, f"{w} T={t:g} b{b} against {label} {_fmt_rounds(rounds)} (ahead in {ahead} "
+                                         f"of {len(rounds)})"))
             if g and d:
                 vs_d.append(g / d)
     lines = []
@@ -179,8 +180,9 @@ def reading(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
                      "tokens per unit of step time for the batch as a whole: it spends drafts on the rows that accept "
                      "well and can leave a weak row to finish last. The targets above are judged by tokens/s.")
     if spread:
-        noise = [cell for within, cell in spread if within]  # ahead in at least half the rounds
-        short = [cell for within, cell in spread if not within]
+        noise = [cell for kind, cell in spread if kind == "within"]  # ahead in at least half the rounds
+        drawn = [cell for kind, cell in spread if kind == "drawn"]  # behind in most, at T > 0
+        short = [cell for kind, cell in spread if kind == "short"]  # behind in most, at T = 0
         lines.append("- **Run to run, where it is behind the best static k or DSDE**: their wall time / "
                      "dsde-goodput's in each round of the run (the policies run round-robin, so a round's runs shared "
                      "the machine's load). "
@@ -188,7 +190,11 @@ def reading(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
                      + (" Ahead in at least half the rounds, so the gap is within this machine's run-to-run spread: "
                         + ", ".join(noise) + "." if noise else "")
                      + (" Behind in most rounds, so a shortfall rather than noise: " + ", ".join(short) + "."
-                        if short else ""))
+                        if short else "")
+                     + (" Behind in most rounds at T > 0, which does not settle it: dsde-goodput's decisions follow "
+                        "the step times it measures and, at T > 0, change the tokens it samples, so each of its runs "
+                        "draws other tokens even on the same seeds (a static k's does not), and its rounds differ by "
+                        "that draw as well as by the machine's load: " + ", ".join(drawn) + "." if drawn else ""))
     if vs_d:
         lines.append(f"- **Against DSDE with the cap**: {min(vs_d):.2f}x to {max(vs_d):.2f}x; at least as fast in "
                      f"{sum(r >= 1 for r in vs_d)} of {len(vs_d)} cells.")
