@@ -73,6 +73,11 @@ class _Versus:
     latency: float | None  # that static k's mean latency / dsde-goodput's
     rounds: dict[str, list[float]]  # by policy (that static k, dsde): its walls / dsde-goodput's round by round
 
+    def behind(self) -> dict[str, list[float]]:
+        """The rounds against each of those policies that dsde-goodput is behind by tokens/s (where there are any)."""
+        tput = {"dsde": self.dsde, **({self.best[0]: self.best[1]} if self.best else {})}
+        return {p: r for p, r in self.rounds.items() if r and self.goodput and tput[p] and self.goodput < tput[p]}
+
 
 def _versus(cells: Sequence[dict[str, Any]]) -> _Versus:
     best = _best_static(cells)
@@ -112,7 +117,7 @@ def targets(docs: dict[str, dict[str, Any]]) -> list[tuple[str, str, bool | None
                 ok = g > max(so_t, d) if w == "mixed" else g >= max(so_t, d)
                 rel = ">" if w == "mixed" else ">="
                 by_lat = f", {v.latency:.3f}x by mean latency" if v.latency else ""
-                rounds, d_rounds = v.rounds[so_k], v.rounds["dsde"] if g < d else []  # DSDE's where it is behind
+                rounds, d_rounds = v.rounds[so_k], v.behind().get("dsde", [])  # DSDE's where it is behind
                 by_round = f", {_fmt_rounds(rounds)} by wall time round by round" if rounds else ""
                 d_by_round = f" ({_fmt_rounds(d_rounds)} round by round)" if d_rounds else ""
                 out.append((f"{rel} Static-opt and DSDE+cap, {cell}",
@@ -158,14 +163,12 @@ def reading(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
                 vs_so.append(g / so)
                 if g < so and v.latency and v.latency >= 1:
                     split.append(f"{w} T={t:g} b{b} ({g / so:.3f}x by tokens/s, {v.latency:.3f}x by mean latency)")
-            for pol, x in ((best[0] if best else "", so), ("dsde", d)):  # the rounds against each it is behind
-                rounds = v.rounds.get(pol, []) if g and x and g < x else []
-                if rounds:
-                    ahead = sum(r > 1 for r in rounds)
-                    label = "DSDE" if pol == "dsde" else pol
-                    kind = "within" if 2 * ahead >= len(rounds) else "drawn" if t > 0 else "short"
-                    spread.append((kind, f"{w} T={t:g} b{b} against {label} {_fmt_rounds(rounds)} (ahead in {ahead} "
-                                         f"of {len(rounds)})"))
+            for pol, rounds in v.behind().items():
+                ahead = sum(r > 1 for r in rounds)
+                label = "DSDE" if pol == "dsde" else pol
+                kind = "within" if 2 * ahead >= len(rounds) else "drawn" if t > 0 else "short"
+                spread.append((kind, f"{w} T={t:g} b{b} against {label} {_fmt_rounds(rounds)} (ahead in {ahead} "
+                                     f"of {len(rounds)})"))
             if g and d:
                 vs_d.append(g / d)
     lines = []
