@@ -94,18 +94,19 @@ bench-sim-closed: models
 # own samples, so with EOS a request's length differs by policy and tokens/s compares different amounts of work (the
 # 5-round run of e55f187: dsde-goodput's median run at batch 4 emitted 179 tokens, static:2's 192). At T > 0 each
 # round samples with new seeds, the same for every policy (dsde_bench/runner.py, round_seed): with one seed a static
-# k replayed one trajectory in all 5 rounds (55 steps each at T=1 b1), so its median was a single draw.
+# k replayed one trajectory in all 5 rounds (55 steps each at T=1 b1), so its median was a single draw. The T=1 run
+# has 16 prompts a cell: with 4, a cell's rounds spanned 0.84-1.11x of static:4 from one draw of the tokens to the
+# next (0a923d0), too wide to tell a 3% gap.
 GP_POLICIES := off,static:1,static:2,static:4,dsde,dsde-goodput
 GRID_POLICIES := off,static:1,static:2,static:3,static:4,static:6,static:8,heuristic,adaedl,dsde-nocap,dsde,dsde-goodput
-GP_COMMON := --no-anchor --no-plots --no-progress --no-report --num-prompts 4 --max-tokens 48 --warm-requests 4 \
-  --repeats 5
+GP_COMMON := --no-anchor --no-plots --no-progress --no-report --max-tokens 48 --warm-requests 4 --repeats 5
 bench-goodput: models
 	$(VENV)/bin/dsde bench --no-progress --no-report --num-prompts 4 --max-tokens 48 --warm-requests 4 --repeats 5 \
 	  --workloads code,chat,mixed --batch-sizes 1,4 --temperatures 0 --policies $(GRID_POLICIES) --out results/bench.json
-	$(VENV)/bin/dsde bench $(GP_COMMON) --workloads chat --batch-sizes 1,4 --temperatures 1 --ignore-eos \
-	  --policies $(GP_POLICIES) --out results/goodput_lowacc.json
-	$(VENV)/bin/dsde bench $(GP_COMMON) --workloads mixed --batch-sizes 1,4 --temperatures 0 --draft-noise 8 \
-	  --policies $(GP_POLICIES) --out results/goodput_weak.json
+	$(VENV)/bin/dsde bench $(GP_COMMON) --num-prompts 16 --workloads chat --batch-sizes 1,4 --temperatures 1 \
+	  --ignore-eos --policies $(GP_POLICIES) --out results/goodput_lowacc.json
+	$(VENV)/bin/dsde bench $(GP_COMMON) --num-prompts 4 --workloads mixed --batch-sizes 1,4 --temperatures 0 \
+	  --draft-noise 8 --policies $(GP_POLICIES) --out results/goodput_weak.json
 	$(VENV)/bin/dsde bench --no-anchor --no-plots --no-progress --no-report --num-prompts 16 --max-tokens 32 \
 	  --warm-requests 4 --workloads mixed --batch-sizes 1,4,8,16 --temperatures 0 \
 	  --policies off,dsde-nocap,dsde,dsde-goodput --out results/goodput_batch.json
