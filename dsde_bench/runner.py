@@ -290,8 +290,13 @@ def run_grid(backend: Backend, cfg: GridConfig, print_fn: Callable[[str], None] 
                         if rep < cfg.repeats - 1:
                             continue
                         run, load = median_run(runs[pol])  # the last round: all of this policy's runs are known
+                        # every round's wall time, SL and acceptance: where a policy's rounds differ, they say whether
+                        # its plans did or the machine's load (the cell's other figures are the median run's)
+                        rounds = [summarize(r.records, r.steps, r.wall_s) for r, _ in runs[pol]]
                         cell = {**_cell(w, temp, bs, pol, run), "loadavg": load, "repeats": cfg.repeats,
-                                "walls_s": [round(r.wall_s, 4) for r, _ in runs[pol]]}
+                                "walls_s": [round(r.wall_s, 4) for r, _ in runs[pol]],
+                                "sl_means": [round(m.sl_mean, 3) for m in rounds],
+                                "acceptance_rates": [round(m.acceptance_rate, 3) for m in rounds]}
                         group.append(cell)
                         series += [{"workload": w, "temperature": temp, "batch": bs, "policy": pol, "request": rid,
                                     "steps": rows} for rid, rows in run.series.items()]

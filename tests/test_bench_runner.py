@@ -219,8 +219,13 @@ def test_repeats_keep_the_median_run(backend) -> None:
     cells = [c for c in doc["cells"] if c["policy"] != "static-opt"]
     assert [c["policy"] for c in cells] == ["off", "static:2"]
     assert all(c["repeats"] == 3 and len(c["loadavg"]) == 2 and len(c["walls_s"]) == 3 for c in cells)
-    for c in cells:  # the cell's figures are its median run's
+    for c in cells:  # the cell's figures are its median run's; every round's SL and acceptance are kept
         assert c["metrics"]["wall_s"] == pytest.approx(sorted(c["walls_s"])[1], abs=1e-3)
+        assert len(c["sl_means"]) == len(c["acceptance_rates"]) == 3
+        assert round(c["metrics"]["sl_mean"], 3) in c["sl_means"]
+    off, static = cells
+    assert off["sl_means"] == [0.0] * 3 and all(sl > 0 for sl in static["sl_means"])
+    assert all(0.0 <= a <= 1.0 for a in static["acceptance_rates"])
 
 
 @needs_data
