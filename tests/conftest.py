@@ -118,7 +118,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """Once pytest has reported, a process that started Ray leaves without interpreter finalisation, with pytest's
+    """Once pytest has reported, a process that imported Ray leaves without interpreter finalisation, with pytest's
     own exit status. Several Ray sessions start and stop in this one process (the service and reliability tests), and
     Ray's native threads can outlive a shutdown (ray-project/ray#31145): a clean run of every test once segfaulted at
     exit (a thread executing freed memory), which failed `make test` after "410 passed". Nothing is skipped that a
