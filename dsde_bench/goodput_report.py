@@ -52,6 +52,19 @@ def _fmt_rounds(ratios: Sequence[float]) -> str:
     return "/".join(f"{r:.3f}" for r in ratios) + "x"
 
 
+def _round_plans(cells: Sequence[dict[str, Any]], policy: str) -> str:
+    """"; SL mean a/b/c against x/y/z, acceptance ...": dsde-goodput's and the policy's plans round by round, where the
+    run kept them (runs before a08fcc8 kept only the median run's), so a slow round can be told apart: other plans or
+    the machine's load. "" where either lacks them."""
+    mine, other = _cell(cells, POLICY) or {}, _cell(cells, policy) or {}
+    parts = []
+    for key, what in (("sl_means", "SL mean"), ("acceptance_rates", "acceptance")):
+        a, b = mine.get(key) or [], other.get(key) or []
+        if len(a) == len(b) >= 2:
+            parts.append(f"{what} {'/'.join(f'{x:.2f}' for x in a)} against {'/'.join(f'{x:.2f}' for x in b)}")
+    return "; " + ", ".join(parts) if parts else ""
+
+
 def _static(cells: Sequence[dict[str, Any]]) -> list[tuple[str, float]]:
     return [(c["policy"], c["metrics"]["output_tok_s"]) for c in cells if c["policy"].startswith("static:")]
 
@@ -166,9 +179,10 @@ def reading(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
             for pol, rounds in v.behind().items():
                 ahead = sum(r > 1 for r in rounds)
                 label = "DSDE" if pol == "dsde" else pol
-                kind = "within" if 2 * ahead >= len(rounds) else "drawn" if t > 0 else "short"
+                # at T > 0 a round's draw of the tokens can put it behind, but not in every round (1 in 2^n by chance)
+                kind = "within" if 2 * ahead >= len(rounds) else "drawn" if t > 0 and ahead else "short"
                 spread.append((kind, f"{w} T={t:g} b{b} against {label} {_fmt_rounds(rounds)} (ahead in {ahead} "
-                                     f"of {len(rounds)})"))
+                                     f"of {len(rounds)}{_round_plans(cs, pol)})"))
             if g and d:
                 vs_d.append(g / d)
     lines = []
@@ -192,8 +206,8 @@ def reading(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None) -> str:
                      "The verdicts above take each policy's median run."
                      + (" Ahead in at least half the rounds, so the gap is within this machine's run-to-run spread: "
                         + ", ".join(noise) + "." if noise else "")
-                     + (" Behind in most rounds, so a shortfall rather than noise: " + ", ".join(short) + "."
-                        if short else "")
+                     + (" Behind in most rounds (at T > 0: in every round), so a shortfall rather than noise: "
+                        + ", ".join(short) + "." if short else "")
                      + (" Behind in most rounds at T > 0, which does not settle it: dsde-goodput's decisions follow "
                         "the step times it measures and, at T > 0, change the tokens it samples, so each of its runs "
                         "draws other tokens even on the same seeds (a static k's does not), and its rounds differ by "

@@ -83,15 +83,17 @@ def test_a_cell_behind_by_tokens_per_second_but_not_by_mean_latency_is_named() -
 def test_the_rounds_of_a_repeated_run_are_shown_beside_the_median_verdict() -> None:
     """Each policy's median run sets the verdict; the round-by-round wall ratios (round-robin: a round's runs shared
     the machine's load) show whether a miss is within the run-to-run spread (ahead in at least half the rounds) or a
-    shortfall (behind in most; at T > 0, where each of dsde-goodput's runs draws its own tokens, not a verdict)."""
+    shortfall (behind in most; at T > 0, where each of dsde-goodput's runs draws its own tokens, only behind in every
+    round is a verdict)."""
     cells = [_cell("chat", 4, "off", 10.0), _cell("chat", 4, "static:2", 12.0), _cell("chat", 4, "dsde", 11.0),
              _cell("chat", 4, "dsde-goodput", 11.7)]
     cells[1]["walls_s"], cells[3]["walls_s"] = [10.0, 9.4, 10.0], [10.0, 10.0, 9.8]
     [(_, figure, ok)] = goodput_report.targets({"bench": _doc(cells)})
     assert ok is False and "1.000/0.940/1.020x by wall time round by round" in figure
     text = goodput_report.reading({"bench": _doc(cells)}, None)
-    assert ("Behind in most rounds, so a shortfall rather than noise: chat T=0 b4 against static:2 1.000/0.940/1.020x "
-            "(ahead in 1 of 3)") in text and "within this machine's run-to-run spread" not in text
+    assert ("Behind in most rounds (at T > 0: in every round), so a shortfall rather than noise: chat T=0 b4 against "
+            "static:2 1.000/0.940/1.020x (ahead in 1 of 3)") in text
+    assert "within this machine's run-to-run spread" not in text
     cells[3]["walls_s"] = [10.0, 9.0, 9.8]  # ahead in 2 of 3: within the spread
     text = goodput_report.reading({"bench": _doc(cells)}, None)
     assert "run-to-run spread: chat T=0 b4 against static:2" in text and "shortfall" not in text
@@ -104,6 +106,29 @@ def test_the_rounds_of_a_repeated_run_are_shown_beside_the_median_verdict() -> N
     cells[3]["walls_s"] = [10.0, 10.0]  # rounds that do not pair up are not compared
     assert "round by round" not in goodput_report.targets({"bench": _doc(cells)})[0][1]
     assert "Run to run" not in goodput_report.reading({"bench": _doc(cells)}, None)
+
+
+def test_the_plans_of_each_round_are_shown_where_the_run_kept_them() -> None:
+    """Where a run kept every round's SL mean and acceptance (sl_means, acceptance_rates), the reading gives
+    dsde-goodput's beside the policy it is behind, so a slow round can be told apart (other plans or the machine's
+    load); a run that kept only its median run's figures reads as before."""
+    cells = [_cell("chat", 4, "off", 10.0), _cell("chat", 4, "static:1", 12.0), _cell("chat", 4, "dsde", 11.0),
+             _cell("chat", 4, "dsde-goodput", 11.7)]
+    for c in cells:
+        c["temperature"] = 1.0
+    cells[1]["walls_s"], cells[3]["walls_s"] = [9.5, 9.6, 9.4], [10.0, 10.0, 9.8]
+    text = goodput_report.reading({"bench": _doc(cells)}, None)
+    # behind in every round at T > 0: a shortfall (each round draws other tokens, and none of them put it ahead)
+    assert ("shortfall rather than noise: chat T=1 b4 against static:1 0.950/0.960/0.959x (ahead in 0 of 3)" in text
+            and "SL mean" not in text and "does not settle it" not in text)
+    cells[1]["sl_means"], cells[1]["acceptance_rates"] = [0.97, 0.98, 0.97], [0.78, 0.77, 0.75]
+    cells[3]["sl_means"], cells[3]["acceptance_rates"] = [1.12, 1.24, 1.23], [0.66, 0.66, 0.7]
+    text = goodput_report.reading({"bench": _doc(cells)}, None)
+    assert ("(ahead in 0 of 3; SL mean 1.12/1.24/1.23 against 0.97/0.98/0.97, acceptance 0.66/0.66/0.70 against "
+            "0.78/0.77/0.75)") in text
+    cells[1]["sl_means"] = [0.97, 0.98]  # rounds that do not pair up are not shown
+    assert "SL mean" not in goodput_report.reading({"bench": _doc(cells)}, None)
+    assert "acceptance 0.66/0.66/0.70" in goodput_report.reading({"bench": _doc(cells)}, None)
 
 
 def test_the_rounds_against_dsde_are_shown_where_it_is_behind_dsde() -> None:
