@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dsde_bench.provenance import POLICY_CODE, contains, last_change
+from dsde_bench.provenance import FIGURE_CODE, contains, last_change
 from dsde_bench.report import cells_table, fmt, groups, md_table, same_schedule
 
 POLICY = "dsde-goodput"
@@ -316,7 +316,7 @@ def _where(doc: dict[str, Any]) -> str:
 
 
 def _stale(docs: dict[str, dict[str, Any]]) -> str:
-    """A paragraph naming the runs measured before the policy code last changed ("" when none, or outside git): a
+    """A paragraph naming the runs measured before the engine code last changed ("" when none, or outside git): a
     figure describes the code it was measured with."""
     change = last_change()
     if change is None:
@@ -326,11 +326,12 @@ def _stale(docs: dict[str, dict[str, Any]]) -> str:
     if not old:
         return ""
     one = len(old) == 1
-    code = " and ".join(f"`{c}`" for c in POLICY_CODE)
-    return (f"\n\nThe policy code ({code}) last changed in commit {commit[:7]} ({date}); "
+    code = " and ".join(f"`{c}/`" for c in FIGURE_CODE)
+    return (f"\n\nThe engine code ({code}: the policies, their cost model, and the step loop and forwards that set "
+            f"every step's time) last changed in commit {commit[:7]} ({date}); "
             f"{', '.join(f'`{n}`' for n in old)} {'was' if one else 'were'} measured before it or "
             f"{'records' if one else 'record'} no commit, so {'its' if one else 'their'} dsde-goodput figures "
-            f"describe an earlier version of the policy (re-measure with `make bench-goodput` and `make bench-sim`).")
+            f"describe an earlier version of the engine (re-measure with `make bench-goodput` and `make bench-sim`).")
 
 
 def section(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None, closed: dict[str, Any] | None = None) -> str:

@@ -28,14 +28,15 @@ def code_version() -> dict[str, Any] | None:
     return {"commit": commit.stdout.strip(), "modified": bool(changed.stdout.strip())}
 
 
-# what dsde-goodput's figures depend on: the policies, and the engine's online cost model they plan with
-POLICY_CODE = ("dsde_core/policies", "dsde_core/cost.py")
+# what the engine runs' figures depend on: the engine, dsde_core/ (the policies, the online cost model they plan with,
+# and the step loop, workers and model forwards that set every step's time)
+FIGURE_CODE = ("dsde_core",)
 # A commit whose message carries this trailer changed the code without changing what it measures (a refactor checked
 # to give identical figures); its line names the evidence, e.g. "Figures-unchanged: the simulator's 576 cells".
 UNCHANGED = "Figures-unchanged:"
 
 
-def last_change(paths: Sequence[str] = POLICY_CODE, repo: Path = CHECKOUT) -> tuple[str, str] | None:
+def last_change(paths: Sequence[str] = FIGURE_CODE, repo: Path = CHECKOUT) -> tuple[str, str] | None:
     """(commit, date) of the last commit that changed any of `paths`, skipping those marked `UNCHANGED`; None outside
     a git checkout."""
     out = _git("log", "-1", "--format=%H %cs", "--invert-grep", f"--grep=^{UNCHANGED}", "--", *paths, repo=repo)
