@@ -48,8 +48,9 @@ def _rounds(cells: Sequence[dict[str, Any]], policy: str) -> list[float]:
     return [x / y for x, y in zip(a, b, strict=True)] if len(a) == len(b) >= 2 else []
 
 
-def _fmt_rounds(ratios: Sequence[float]) -> str:
-    return "/".join(f"{r:.3f}" for r in ratios) + "x"
+def _fmt_rounds(values: Sequence[float], spec: str = ".3f", unit: str = "x") -> str:
+    """One figure a round: "a/b/c" plus the unit (round-by-round ratios by default)."""
+    return "/".join(f"{v:{spec}}" for v in values) + unit
 
 
 def _round_plans(cells: Sequence[dict[str, Any]], policy: str) -> str:
@@ -61,7 +62,7 @@ def _round_plans(cells: Sequence[dict[str, Any]], policy: str) -> str:
     for key, what in (("sl_means", "SL mean"), ("acceptance_rates", "acceptance")):
         a, b = mine.get(key) or [], other.get(key) or []
         if len(a) == len(b) >= 2:
-            parts.append(f"{what} {'/'.join(f'{x:.2f}' for x in a)} against {'/'.join(f'{x:.2f}' for x in b)}")
+            parts.append(f"{what} {_fmt_rounds(a, '.2f', '')} against {_fmt_rounds(b, '.2f', '')}")
     return "; " + ", ".join(parts) if parts else ""
 
 
