@@ -130,6 +130,47 @@ def test_bf16_runs_without_nan(make_tiny_model) -> None:
     assert (out[:20] - ref).abs().max() < 0.1
 
 
+def test_single_query_steps_attend_in_fp32_on_cpu(make_tiny_model, monkeypatch) -> None:
+    """bf16 on the CPU: a step where every row has one query (decode, draft levels) computes attention in fp32,
+    any other step in bf16; both give transformers' fp32 logits to bf16's precision."""
+    import dsde_core.models.llama as llama
+
+    seen: list[tuple[int, torch.dtype]] = []  # (query rows, dtype) of each attention call
+    sdpa = llama.F.scaled_dot_product_attention
+
+    def spy(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        seen.append((q.shape[2], q.dtype))
+        return sdpa(q, *args, **kwargs)
+
+    monkeypatch.setattr(llama.F, "scaled_dot_product_attention", spy)
+    hf = make_tiny_model("qwen2")
+    layers = hf.config.num_hidden_layers
+
+    def dtypes(r: ModelRunner, slots: list[int], tokens: list[list[int]]) -> set[torch.dtype]:
+        seen.clear()
+        r.forward(slots, tokens, [1] * len(slots))
+        assert len(seen) == layers
+        return {dt for _, dt in seen}
+
+    bf16 = ModelRunner(LlamaModel.from_hf(hf.config, dict(hf.state_dict()), dtype=torch.bfloat16), 2, 32)
+    assert bf16.upcast_single_query
+    assert dtypes(bf16, [0, 1], [list(range(9)), list(range(4))]) == {torch.bfloat16}  # ragged prefill
+    assert dtypes(bf16, [0, 1], [[9], [4]]) == {torch.float32}  # decode, batched
+    assert dtypes(bf16, [0, 1], [[10], [5, 6]]) == {torch.bfloat16}  # one row verifies two tokens
+    assert dtypes(bf16, [1], [[7]]) == {torch.float32}  # decode, one sequence
+    fp32 = ModelRunner(LlamaModel.from_hf(hf.config, dict(hf.state_dict()), dtype=torch.float32), 1, 32)
+    assert not fp32.upcast_single_query
+
+    seq = list(range(12))
+    plain = ModelRunner(LlamaModel.from_hf(hf.config, dict(hf.state_dict()), dtype=torch.bfloat16), 1, 32)
+    plain.upcast_single_query = False
+    ref = hf(torch.tensor([seq])).logits[0, -1]
+    for r in (bf16, plain):
+        r.reset(0)
+        r.forward([0], [seq[:-1]], [1])
+        assert (r.forward([0], [seq[-1:]], [1])[0] - ref).abs().max() < 0.1
+
+
 @pytest.mark.real_models
 def test_real_draft_matches_transformers() -> None:
     from transformers import AutoModelForCausalLM

@@ -2,7 +2,8 @@
 
 Query tokens of all sequences are packed into one [T, hidden] tensor for the linear layers; attention
 scatters them into a padded [B, Qmax] layout, gathers each sequence's keys [0 : len + q_len] from the cache
-and runs SDPA with a boolean mask. The logits are computed only at the rows the caller asks for.
+and runs SDPA with a boolean mask (in fp32 where every row has one query, on the CPU: Attention.forward).
+The logits are computed only at the rows the caller asks for.
 Weights use transformers' names (model.layers.N.self_attn.q_proj.weight, ...); q/k/v and gate/up are fused
 at load time.
 """
@@ -134,6 +135,7 @@ class Batch:
     write_slots: Tensor | None = None  # [T] slot of each query token
     write_pos: Tensor | None = None  # [T] cache position of each query token
     q_dest: Tensor | None = None  # [T] row in the padded [B * Qmax] layout; None when all q_len == Qmax
+    upcast: bool = False  # attention in fp32 (Attention.forward): one query a row, a half dtype, on the CPU
 
 
 class PackedLinear(nn.Module):
@@ -213,7 +215,14 @@ class Attention(nn.Module):
             if b.q_dest is not None:
                 q = q.new_zeros(B * Qm, h, hd).index_copy_(0, b.q_dest, q)
             qp = q.view(B, Qm, h, hd).transpose(1, 2)  # [B, h, Qmax, hd]
-        o = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=b.masks[self.window], enable_gqa=kvh != h)
+        mask, gqa = b.masks[self.window], kvh != h
+        if b.upcast:
+            # PyTorch's CPU SDPA in bf16 takes a slow path for one query row: 4 rows x 1900 keys, 8.4 ms a layer;
+            # two query rows 1.9 ms; this fp32 call, casts included, 1.2 ms. Decode and draft steps are one row.
+            o = F.scaled_dot_product_attention(qp.float(), keys.float(), vals.float(), attn_mask=mask, enable_gqa=gqa)
+            o = o.to(x.dtype)
+        else:
+            o = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=mask, enable_gqa=gqa)
         o = o.transpose(1, 2).reshape(B * Qm, h * hd)  # [B * Qmax, h * hd]
         if b.q_dest is not None:
             o = o.index_select(0, b.q_dest)  # [T, h * hd]

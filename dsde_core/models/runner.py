@@ -20,6 +20,8 @@ class ModelRunner:
         self.cache = KVCache(a.num_layers, num_slots, max_seq_len, a.num_kv_heads, a.head_dim, model.dtype, self.device)
         self.cos, self.sin = model.rope_tables(max_seq_len)  # [max_seq_len, head_dim]
         self.windows = sorted(set(a.sliding_windows), key=lambda w: -1 if w is None else w)
+        # one query a row (decode, draft levels) on the CPU in a half dtype: attention in fp32 (llama.py, Attention)
+        self.upcast_single_query = self.device.type == "cpu" and model.dtype != torch.float32
 
     def length(self, slot: int) -> int:
         return self.cache.length(slot)
@@ -86,6 +88,7 @@ class ModelRunner:
                 masks=masks,
                 logits_idx=torch.arange(q - n, q, device=dev),
                 single=(slots[0], start, q),
+                upcast=q == 1 and self.upcast_single_query,
             )
 
         # packed offsets of each sequence's tokens
@@ -120,6 +123,7 @@ class ModelRunner:
             write_slots=slots_t[seq_of_tok].to(dev),
             write_pos=write_pos,
             q_dest=None if q_dest is None else q_dest.to(dev),
+            upcast=max_q == 1 and self.upcast_single_query,
         )
 
     @staticmethod
