@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from dsde_bench.provenance import code_version, run_meta
 from dsde_core.config import EngineConfig, SamplingParams
 from dsde_core.llm import SpeculativeLLM
 from dsde_core.models.packaged import DRAFT, TARGET, ensure_embedded
@@ -86,6 +88,7 @@ def main() -> None:
     ap.add_argument("--batch-policies", default="off,dsde", help="policies of the batch-1 against batch-N figures")
     ap.add_argument("--out", default="results/perf.json")
     args = ap.parse_args()
+    code = code_version()  # the commit the figures are measured with (BENCHMARKS.md names a run that predates a change)
     torch.set_num_threads(2)
     n = args.max_tokens
     llm = SpeculativeLLM.load(config=EngineConfig(max_batch_size=args.batch, dtype="bfloat16"))
@@ -125,6 +128,7 @@ def main() -> None:
     for policy in batch_policies:
         ratio = results["batch"][f"{policy}@{args.batch}"] / results["batch"][f"{policy}@1"]
         print(f"{policy}: batch {args.batch} / batch 1 throughput = {ratio:.2f}x")
+    results["meta"] = run_meta(code, "python " + shlex.join(sys.argv))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(f"wrote {args.out}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -27,6 +28,7 @@ import time
 import httpx
 
 from dsde_bench.ports import free_port
+from dsde_bench.provenance import code_version, run_meta
 from dsde_core.config import EngineConfig, SamplingParams
 from dsde_core.llm import SpeculativeLLM
 
@@ -122,6 +124,7 @@ def main() -> int:
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
     prompts = PROMPTS[: args.batch]
+    code = code_version()  # the commit the figures are measured with (BENCHMARKS.md names a run that predates a change)
     llm = load_in_process(args, len(prompts))  # stays loaded (idle) while a service runs: ~5 GB beside its actors
     local = [in_process(llm, prompts, args)]
     print(f"in-process: {local[0][2]} tokens, {local[0][0]:.2f} tok/s", flush=True)
@@ -146,7 +149,7 @@ def main() -> int:
                           "service_runs": [x[0] for x in service], "ratios": ratios, "ratio": ratio,
                           "tokens": [local[0][2], service[0][2]], "identical": min(same), "batch": len(prompts),
                           "max_tokens": args.max_tokens, "policy": args.policy, "dtype": args.dtype,
-                          "rounds": args.rounds}))
+                          "rounds": args.rounds, "meta": run_meta(code, "python " + shlex.join(sys.argv))}))
     return 0
 
 

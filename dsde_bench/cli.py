@@ -13,7 +13,6 @@ BENCHMARKS.md from all results/*.json.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import math
 import os
@@ -144,14 +143,7 @@ def command_line(argv: list[str] | None = None) -> str:
 
 
 def _meta(code: dict[str, Any] | None, plots: list[Path] | None = None) -> dict[str, Any]:
-    """The run's command, machine and date; `code` is the commit it started with, and whether the checkout differs
-    from that by the time it ends (a long grid must not be credited to a commit made while it ran)."""
-    from dsde_bench.backend import machine_info
-
-    return {"command": command_line(), "machine": machine_info(), "code": code,
-            "changed_during_run": code != provenance.code_version(),
-            "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "plots": [str(p) for p in plots or []]}
+    return provenance.run_meta(code, command_line(), [str(p) for p in plots or []])
 
 
 def _write(doc: dict[str, Any], path: Path) -> None:

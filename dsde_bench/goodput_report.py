@@ -12,8 +12,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dsde_bench.provenance import FIGURE_CODE, contains, last_change
-from dsde_bench.report import cells_table, fmt, groups, md_table, same_schedule
+from dsde_bench.report import (
+    ENGINE_CODE,
+    and_list,
+    cells_table,
+    fmt,
+    groups,
+    md_table,
+    measured_before,
+    rerun,
+    run_where,
+    same_schedule,
+)
 
 POLICY = "dsde-goodput"
 LOW_ACCEPTANCE_FLOOR = 0.98  # tokens/s against target-only where speculation does not pay
@@ -294,7 +304,7 @@ def closed_table(doc: dict[str, Any] | None) -> str:
     if not rows:
         return "(the closed-batch simulator run did not include dsde-goodput and a static k)"
     cmd = doc.get("meta", {}).get("command", "dsde bench --simulate --sim-closed")
-    return (f"Command: `{cmd}`{_where(doc)}. Each group of `batch` prompts runs to its end before the next starts, "
+    return (f"Command: `{cmd}`{run_where(doc)}. Each group of `batch` prompts runs to its end before the next starts, "
             "each with a fresh policy and its warm-up, as a `dsde bench` cell runs its 4 prompts; a row is over "
             "all the groups. The real runs above judge each 4-prompt cell against the static k that was best on it "
             "in hindsight, picked from several noisy candidates; here one k serves every group, and there is no "
@@ -303,36 +313,18 @@ def closed_table(doc: dict[str, Any] | None) -> str:
                         "goodput / best k", "DSDE / best k"], rows))
 
 
-def _where(doc: dict[str, Any]) -> str:
-    """The run's CPU, date and commit: figures from different machines are not comparable (ratios within one run
-    are), and a figure describes the code it was measured with."""
-    meta = doc.get("meta", {})
-    cpu, created, code = meta.get("machine", {}).get("cpu"), meta.get("created", "")[:10], meta.get("code") or {}
-    commit = code.get("commit", "")[:7]
-    if commit:
-        commit = f"commit {commit}" + (" with modified code" if code.get("modified") else "")
-        if meta.get("changed_during_run"):
-            commit += "; the checkout changed while it ran"
-    return "".join(f", {x}" for x in (cpu, created, commit) if x)
-
-
 def _stale(docs: dict[str, dict[str, Any]]) -> str:
-    """A paragraph naming the runs measured before the engine code last changed ("" when none, or outside git): a
-    figure describes the code it was measured with."""
-    change = last_change()
-    if change is None:
+    """A paragraph naming the runs measured before the engine code last changed ("" when none, or outside git)."""
+    before = measured_before(docs)
+    if before is None:
         return ""
-    commit, date = change
-    old = [n for n, d in docs.items() if not contains((d.get("meta", {}).get("code") or {}).get("commit"), commit)]
-    if not old:
-        return ""
+    commit, date, old = before
     one = len(old) == 1
-    code = " and ".join(f"`{c}/`" for c in FIGURE_CODE)
-    return (f"\n\nThe engine code ({code}: the policies, their cost model, and the step loop and forwards that set "
-            f"every step's time) last changed in commit {commit[:7]} ({date}); "
+    again = and_list([f"`{c}`" for c in dict.fromkeys(rerun(n) for n in old)])
+    return (f"\n\nThe engine code ({ENGINE_CODE}) last changed in commit {commit[:7]} ({date}); "
             f"{', '.join(f'`{n}`' for n in old)} {'was' if one else 'were'} measured before it or "
             f"{'records' if one else 'record'} no commit, so {'its' if one else 'their'} dsde-goodput figures "
-            f"describe an earlier version of the engine (re-measure with `make bench-goodput` and `make bench-sim`).")
+            f"describe an earlier version of the engine (re-measure with {again}).")
 
 
 def section(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None, closed: dict[str, Any] | None = None) -> str:
@@ -342,7 +334,7 @@ def section(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None, closed:
     tgt = md_table(["target", "figure", "met"], [(a, b, fmt(c)) for a, b, c in tg]) if tg else "(no engine runs)"
     met = sum(1 for *_, ok in tg if ok)
     runs = "\n".join(f"- `{n}`: `{d.get('meta', {}).get('command', '?')}` ({fmt(d.get('elapsed_s'), '.0f')} s"
-                     f"{_where(d)})" for n, d in docs.items())
+                     f"{run_where(d)})" for n, d in docs.items())
     runs += _stale({n: d for n, d in {**docs, "simulate": sim, "simulate_closed": closed}.items() if d})
     tables = "\n\n".join(f"#### {n}: {w}, T={t:g}, batch {b}\n\n{cells_table(cs)}"
                          for n, d in docs.items()

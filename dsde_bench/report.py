@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dsde_bench.bound import bound_of, bound_ratios, bound_scores, pick_bound
+from dsde_bench.provenance import FIGURE_CODE, contains, last_change
 from dsde_bench.workloads import SOURCES
 
 TARGET_WITHIN = 0.05  # issue 4: DSDE + cap within 5% of Static-opt's mean latency
@@ -629,6 +630,63 @@ along the target's greedy output.
 """
 
 
+# ---- which code the figures describe --------------------------------------------------------------------------
+# how each results file is measured again: the first prefix of its name that matches
+RERUN = (("goodput", "make bench-goodput"), ("bench", "make bench-goodput"),
+         ("simulate_closed", "make bench-sim-closed"), ("simulate_fp32", "make bench-sim-fp32"),
+         ("simulate", "make bench-sim"), ("dsde_bound", "make bench-dsde-bound"), ("perf", "make perf"),
+         ("service_throughput", ".venv/bin/python benchmarks/service_throughput.py --max-tokens 128 --rounds 3 --json "
+                                "> results/service_throughput.json"))
+ENGINE_CODE = " and ".join(f"`{c}/`" for c in FIGURE_CODE) + (": the policies, their cost model, and the step loop "
+                                                               "and forwards that set every step's time")
+
+
+def rerun(name: str) -> str:
+    return next((cmd for prefix, cmd in RERUN if name.startswith(prefix)), "its command")
+
+
+def and_list(items: Sequence[str]) -> str:
+    """"a", "a and b", "a, b and c"."""
+    return " and ".join([", ".join(items[:-1]), items[-1]] if len(items) > 1 else items)
+
+
+def run_where(doc: dict[str, Any]) -> str:
+    """", CPU, date, commit" of a run: figures from different machines are not comparable (ratios within one run are),
+    and a figure describes the code it was measured with."""
+    meta = doc.get("meta", {})
+    cpu, created, code = meta.get("machine", {}).get("cpu"), meta.get("created", "")[:10], meta.get("code") or {}
+    commit = code.get("commit", "")[:7]
+    if commit:
+        commit = f"commit {commit}" + (" with modified code" if code.get("modified") else "")
+        if meta.get("changed_during_run"):
+            commit += "; the checkout changed while it ran"
+    return "".join(f", {x}" for x in (cpu, created, commit) if x)
+
+
+def measured_before(docs: dict[str, dict[str, Any]]) -> tuple[str, str, list[str]] | None:
+    """(commit, date, names): the engine code's last change and the runs measured before it or recording no commit;
+    None when there are none, or outside git."""
+    change = last_change()
+    if change is None:
+        return None
+    commit, date = change
+    old = [n for n, d in docs.items() if not contains((d.get("meta", {}).get("code") or {}).get("commit"), commit)]
+    return (commit, date, old) if old else None
+
+
+def stale_section(docs: dict[str, dict[str, Any]]) -> str:
+    """The page's list of runs whose figures describe an earlier engine ("" when every run is current)."""
+    before = measured_before(docs)
+    if before is None:
+        return ""
+    commit, date, old = before
+    rows = "\n".join(f"- `{n}`{run_where(docs[n]) or ', no record of its machine or code'}: `{rerun(n)}`"
+                      for n in old)
+    return (f"## Runs that predate the engine's last change\n\nThe engine code ({ENGINE_CODE}) last changed in commit "
+            f"{commit[:7]} ({date}). These runs were measured before it or record no commit, so their figures describe "
+            f"an earlier engine; each names the command that measures it again:\n\n{rows}\n")
+
+
 # ---- the page ------------------------------------------------------------------------------------------------
 def machine_section(docs: Sequence[dict[str, Any]]) -> str:
     info = next((d["meta"]["machine"] for d in docs if d and d.get("meta", {}).get("machine")), None)
@@ -668,6 +726,10 @@ def render(results_dir: str | Path = "results", page_dir: str | Path = ".") -> s
               + "\n".join(cmds) + "\npython -m dsde_bench report                        # this page\n```\n")
              if cmds else ""]
     goodput = {p.stem: doc for p in sorted(d.glob("goodput*.json")) if (doc := load(p))}
+    engine_runs = {n: doc for n, doc in {"bench": bench, **goodput, "dsde_bound_pick": bound_pick, "dsde_bound": bound,
+                                         "simulate": sim, "simulate_fp32": sim_fp32, "simulate_closed": sim_closed,
+                                         "perf": perf, "service_throughput": service_tp}.items() if doc}
+    parts.append(stale_section(engine_runs))
     if bench:
         parts.append(bench_section(bench, goodput))
     if bound_pick:

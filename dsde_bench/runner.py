@@ -18,6 +18,7 @@ from typing import Any
 
 from dsde_bench.backend import Backend
 from dsde_bench.metrics import (
+    CellMetrics,
     RequestRecord,
     StepSample,
     add_speedups,
@@ -211,8 +212,9 @@ def run_cell(engine: Engine, policy: str, prompts: Sequence[Sequence[int]], prom
     return run
 
 
-def median_run(runs: Sequence[tuple[CellRun, Any]]) -> tuple[CellRun, Any]:
-    """The run of median wall time (of an even count, the faster of the middle two)."""
+def median_run(runs: Sequence[tuple[Any, ...]]) -> tuple[Any, ...]:
+    """The run (a CellRun first, what goes with it after) of median wall time (of an even count, the faster of the
+    middle two)."""
     ranked = sorted(runs, key=lambda r: r[0].wall_s)
     return ranked[(len(ranked) - 1) // 2]
 
@@ -278,7 +280,7 @@ def run_grid(backend: Backend, cfg: GridConfig, print_fn: Callable[[str], None] 
                 # repeats run round-robin over the policies, and each keeps its median run: a burst of other work
                 # on a shared machine then costs every policy a round instead of biasing one of them, and a policy
                 # whose schedule varies from run to run (an online cost model) is not credited with its luckiest
-                runs: dict[str, list[tuple[CellRun, list[float | None]]]] = {}
+                runs: dict[str, list[tuple[CellRun, list[float | None], CellMetrics]]] = {}
                 group: list[dict[str, Any]] = []
                 for rep in range(cfg.repeats):
                     params = sampling_params(len(ids), cfg.max_tokens, temp, round_seed(cfg.seed, rep, temp),
@@ -286,17 +288,17 @@ def run_grid(backend: Backend, cfg: GridConfig, print_fn: Callable[[str], None] 
                     for pol in policies:
                         load0 = _loadavg()
                         run = run_cell(backend.engine, pol, ids, pids, params, bs, cfg.watch, warm)
-                        runs.setdefault(pol, []).append((run, [load0, _loadavg()]))
+                        m = summarize(run.records, run.steps, run.wall_s)
+                        runs.setdefault(pol, []).append((run, [load0, _loadavg()], m))
                         if rep < cfg.repeats - 1:
                             continue
-                        run, load = median_run(runs[pol])  # the last round: all of this policy's runs are known
+                        run, load, m = median_run(runs[pol])  # the last round: all of this policy's runs are known
                         # every round's wall time, SL and acceptance: where a policy's rounds differ, they say whether
                         # its plans did or the machine's load (the cell's other figures are the median run's)
-                        rounds = [summarize(r.records, r.steps, r.wall_s) for r, _ in runs[pol]]
-                        cell = {**_cell(w, temp, bs, pol, run), "loadavg": load, "repeats": cfg.repeats,
-                                "walls_s": [round(r.wall_s, 4) for r, _ in runs[pol]],
-                                "sl_means": [round(m.sl_mean, 3) for m in rounds],
-                                "acceptance_rates": [round(m.acceptance_rate, 3) for m in rounds]}
+                        cell = {**_cell(w, temp, bs, pol, run, m), "loadavg": load, "repeats": cfg.repeats,
+                                "walls_s": [round(r.wall_s, 4) for r, *_ in runs[pol]],
+                                "sl_means": [round(rm.sl_mean, 3) for *_, rm in runs[pol]],
+                                "acceptance_rates": [round(rm.acceptance_rate, 3) for *_, rm in runs[pol]]}
                         group.append(cell)
                         series += [{"workload": w, "temperature": temp, "batch": bs, "policy": pol, "request": rid,
                                     "steps": rows} for rid, rows in run.series.items()]
@@ -331,10 +333,9 @@ def run_grid(backend: Backend, cfg: GridConfig, print_fn: Callable[[str], None] 
     }
 
 
-def _cell(w: str, temp: float, bs: int, pol: str, run: CellRun) -> dict[str, Any]:
-    m = summarize(run.records, run.steps, run.wall_s).as_dict()
+def _cell(w: str, temp: float, bs: int, pol: str, run: CellRun, m: CellMetrics) -> dict[str, Any]:
     return {"kind": "engine", "workload": w, "temperature": temp, "batch": bs, "policy": pol, "label": label(pol),
-            "metrics": m, "requests": [asdict(r) for r in run.records]}
+            "metrics": m.as_dict(), "requests": [asdict(r) for r in run.records]}
 
 
 def _anchor_cell(backend: Backend, hf: tuple[Any, dict[str, Any]], system: str, w: str, temp: float,

@@ -133,3 +133,31 @@ def test_fp32_validation_is_judged_against_the_tolerance() -> None:
     assert "| code | static:1 | 1 | 0.5000 | 0.5060 | 1.20% |" in good
     assert "missed" in report.fp32_validation_text(doc([0.0, 0.08]))
     assert report.fp32_validation_text(None) == "" and report.fp32_validation_text({"cells": []}) == ""
+
+
+def test_page_names_every_run_that_predates_the_engines_last_change(tmp_path) -> None:
+    """Not only the issue-7 runs: any results file the engine's speed sets (the grid, the bound runs, perf.py, the
+    service script) is listed when it was measured before the last change to dsde_core/ or records no commit, with
+    the command that measures it again; a run at the current commit is not."""
+    from dsde_bench import provenance
+
+    res = tmp_path / "results"
+    res.mkdir()
+    old, current = _bench_doc(), {"code": provenance.code_version(), "machine": {"cpu": "test cpu"},
+                                  "created": "2026-11-27T00:00:00+00:00"}
+    (res / "bench.json").write_text(json.dumps(old))  # its meta records no commit
+    (res / "perf.json").write_text(json.dumps({"max_tokens": 8, "runs": 1, "threads": 2, "prompts": {},
+                                               "meta": current}))
+    (res / "dsde_bound_pick.json").write_text(json.dumps({**_bench_doc(), "meta": {
+        "code": {"commit": "0" * 40, "modified": False}}}))  # a commit this checkout lacks
+    page = report.write(res, tmp_path / "BENCHMARKS.md").read_text()
+    commit, date = provenance.last_change()
+    head = "## Runs that predate the engine's last change"
+    assert head in page and f"last changed in commit {commit[:7]} ({date})" in page
+    listed = page.split(head)[1].split("\n## ")[0]
+    assert "- `bench`, test cpu: `make bench-goodput`" in listed
+    assert "- `dsde_bound_pick`, commit 0000000: `make bench-dsde-bound`" in listed
+    assert "`perf`" not in listed
+    (res / "bench.json").write_text(json.dumps({**old, "meta": current}))
+    (res / "dsde_bound_pick.json").unlink()
+    assert head not in report.write(res, tmp_path / "BENCHMARKS.md").read_text()
