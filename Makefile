@@ -102,7 +102,8 @@ GRID_POLICIES := off,static:1,static:2,static:3,static:4,static:6,static:8,heuri
 GP_ROUNDS := --no-progress --no-report --max-tokens 48 --warm-requests 4 --repeats 5
 GP_COMMON := --no-anchor --no-plots $(GP_ROUNDS)
 bench-goodput: models
-	$(VENV)/bin/dsde bench $(GP_ROUNDS) --num-prompts 4 --workloads code,chat,mixed --batch-sizes 1,4 --temperatures 0 --policies $(GRID_POLICIES) --out results/bench.json
+	$(VENV)/bin/dsde bench $(GP_ROUNDS) --num-prompts 4 --workloads code,chat,mixed --batch-sizes 1,4 --temperatures 0 \
+	  --policies $(GRID_POLICIES) --out results/bench.json
 	$(VENV)/bin/dsde bench $(GP_COMMON) --num-prompts 16 --workloads chat --batch-sizes 1,4 --temperatures 1 \
 	  --ignore-eos --policies $(GP_POLICIES) --out results/goodput_lowacc.json
 	$(VENV)/bin/dsde bench $(GP_COMMON) --num-prompts 4 --workloads mixed --batch-sizes 1,4 --temperatures 0 \

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import shlex
 import statistics
 import sys
 import time
@@ -128,7 +127,7 @@ def main() -> None:
     for policy in batch_policies:
         ratio = results["batch"][f"{policy}@{args.batch}"] / results["batch"][f"{policy}@1"]
         print(f"{policy}: batch {args.batch} / batch 1 throughput = {ratio:.2f}x")
-    results["meta"] = run_meta(code, "python " + shlex.join(sys.argv))
+    results["meta"] = run_meta(code)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(f"wrote {args.out}")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shlex
 import statistics
 import sys
 import time
@@ -149,7 +148,7 @@ def main() -> int:
                           "service_runs": [x[0] for x in service], "ratios": ratios, "ratio": ratio,
                           "tokens": [local[0][2], service[0][2]], "identical": min(same), "batch": len(prompts),
                           "max_tokens": args.max_tokens, "policy": args.policy, "dtype": args.dtype,
-                          "rounds": args.rounds, "meta": run_meta(code, "python " + shlex.join(sys.argv))}))
+                          "rounds": args.rounds, "meta": run_meta(code)}))
     return 0
 
 

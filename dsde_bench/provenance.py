@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime as dt
+import shlex
 import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,13 +31,13 @@ def code_version() -> dict[str, Any] | None:
     return {"commit": commit.stdout.strip(), "modified": bool(changed.stdout.strip())}
 
 
-def run_meta(code: dict[str, Any] | None, command: str, plots: Sequence[str] = ()) -> dict[str, Any]:
-    """What a results document records of its run: the command, machine and date; `code` is the commit it started
-    with (code_version() then), and whether the checkout differs from that by the time it ends (a long run must not be
-    credited to a commit made while it ran)."""
+def run_meta(code: dict[str, Any] | None, command: str | None = None, plots: Sequence[str] = ()) -> dict[str, Any]:
+    """What a results document records of its run: the command (default: this script's, `python ...`), machine and
+    date; `code` is the commit it started with (code_version() then), and whether the checkout differs from that by the
+    time it ends (a long run must not be credited to a commit made while it ran)."""
     from dsde_bench.backend import machine_info  # torch: only where a run has just used it
 
-    return {"command": command, "machine": machine_info(), "code": code,
+    return {"command": command or "python " + shlex.join(sys.argv), "machine": machine_info(), "code": code,
             "changed_during_run": code != code_version(),
             "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "plots": list(plots)}
 

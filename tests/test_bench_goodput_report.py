@@ -259,3 +259,14 @@ def test_a_commit_marked_figures_unchanged_is_not_a_change_to_the_engine(tmp_pat
     commit("d = 1\n", "the docs", "README.md")
     commit("e = 1\n", "the benchmark's report", "dsde_bench/report.py")
     assert provenance.last_change(repo=tmp_path)[0] == fourth
+
+
+def test_a_scripts_run_records_its_command_machine_and_commit() -> None:
+    """benchmarks/perf.py and the service script call run_meta(code) as `dsde bench` does, so the page can tell
+    which code their figures describe."""
+    code = provenance.code_version()
+    meta = provenance.run_meta(code)
+    assert meta["command"].startswith("python ") and meta["code"] == code and not meta["changed_during_run"]
+    assert meta["machine"]["cpu_count"] >= 1 and meta["created"][:2] == "20"
+    assert provenance.run_meta(None, "dsde bench --x", ["p.png"])["command"] == "dsde bench --x"
+    assert provenance.run_meta({"commit": "0" * 40, "modified": False})["changed_during_run"]
