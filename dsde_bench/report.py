@@ -637,17 +637,19 @@ RERUN = (("goodput", "make bench-goodput"), ("bench", "make bench-goodput"),
          ("simulate", "make bench-sim"), ("dsde_bound", "make bench-dsde-bound"), ("perf", "make perf"),
          ("service_throughput", ".venv/bin/python benchmarks/service_throughput.py --max-tokens 128 --rounds 3 --json "
                                 "> results/service_throughput.json"))
-ENGINE_CODE = " and ".join(f"`{c}/`" for c in FIGURE_CODE) + (": the policies, their cost model, and the step loop "
-                                                               "and forwards that set every step's time")
-
-
-def rerun(name: str) -> str:
-    return next((cmd for prefix, cmd in RERUN if name.startswith(prefix)), "its command")
 
 
 def and_list(items: Sequence[str]) -> str:
     """"a", "a and b", "a, b and c"."""
     return " and ".join([", ".join(items[:-1]), items[-1]] if len(items) > 1 else items)
+
+
+ENGINE_CODE = and_list([f"`{c}/`" for c in FIGURE_CODE]) + (": the policies, their cost model, and the step loop and "
+                                                            "forwards that set every step's time")
+
+
+def rerun(name: str) -> str:
+    return next((cmd for prefix, cmd in RERUN if name.startswith(prefix)), "its command")
 
 
 def run_where(doc: dict[str, Any]) -> str:
