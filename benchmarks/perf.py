@@ -4,7 +4,7 @@
 
 Batch 1, greedy, bf16, the embedded pair (Qwen2.5-Coder 0.5B draft / 1.5B target):
 - target-only decoding: our runner against transformers' generate() on the same weights;
-- DSDE (and static k) against target-only and against transformers' assisted generation
+- DSDE, dsde-goodput and static k against target-only and against transformers' assisted generation
   (assistant_model=, its default schedule and the "heuristic" one), on a code prompt and a prose prompt;
 - batch 8 against batch 1 throughput, target-only and DSDE.
 Median of --runs runs per figure; ratios are taken within this one run (the machine is shared and noisy).
@@ -82,7 +82,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--policies", default="off,dsde,static:4")
+    ap.add_argument("--policies", default="off,dsde,static:4,dsde-goodput")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--batch-policies", default="off,dsde", help="policies of the batch-1 against batch-N figures")
     ap.add_argument("--out", default="results/perf.json")
