@@ -59,6 +59,7 @@ class StepSample:
     draft_s: float
     target_s: float
     prefill: bool = False  # a request was admitted before this step (its prompt was in the forward)
+    contexts: list[int] = field(default_factory=list)  # committed tokens per sequence (engine runs; [] if simulated)
 
     @property
     def draft_calls(self) -> int:

@@ -199,7 +199,7 @@ def timing_noise(cells: Sequence[dict[str, Any]]) -> tuple[float, str] | None:
 def prefill_shares(doc: dict[str, Any], policy: str = "off") -> dict[tuple[str, int], float]:
     """Per (workload, batch): the share of `policy`'s engine time (draft + target) spent in steps that carried a
     prompt, at the lowest temperature of the run. From bench.json "steps": [batch, sum_k, calls, draft_s, target_s,
-    prefill]."""
+    prefill, ...]."""
     out: dict[tuple[str, int], float] = {}
     temps = [c["temperature"] for c in doc.get("steps", [])]
     for c in doc.get("steps", []):

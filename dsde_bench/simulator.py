@@ -252,7 +252,7 @@ def measure_costs(target: Any, draft: Any, context: int = 128, repeats: int = 3,
 
 def fit_engine_steps(rows: Sequence[Sequence[float]], beyond: CostModel | None = None) -> CostModel:
     """A cost model from the engine's own step timings (bench.json "steps": [batch, sum_k, draft_calls, draft_s,
-    target_s, prefill]); steps that carried a prompt are left out. Target: seconds against query tokens
+    target_s, prefill, ...]); steps that carried a prompt are left out. Target: seconds against query tokens
     batch + sum_k; draft: seconds per draft call against the batch. The fastest step of each group is fitted: on a
     shared machine other work only ever adds time (a median still carries minutes-long bursts).
 
@@ -261,7 +261,7 @@ def fit_engine_steps(rows: Sequence[Sequence[float]], beyond: CostModel | None =
     points (the draft's are per-row decode costs at batch 1 to 4, far steeper than a prefill's per-token cost)."""
     t_groups: dict[int, list[float]] = {}
     d_groups: dict[int, list[float]] = {}
-    for batch, sum_k, calls, draft_s, target_s, prefill in rows:
+    for batch, sum_k, calls, draft_s, target_s, prefill, *_ in rows:  # runs before 2026-11-27 lack contexts
         if prefill:
             continue
         t_groups.setdefault(int(batch + sum_k), []).append(target_s)

@@ -13,7 +13,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from dsde_core.config import EngineConfig, SamplingParams, SpeculationParams
@@ -49,6 +49,7 @@ class StepRecord:
     target_s: float
     total_s: float
     prefill: bool = False  # a prompt was fed this step
+    contexts: list[int] = field(default_factory=list)  # committed tokens per sequence (the verify attends over + ks)
 
 
 class Engine:
@@ -136,6 +137,7 @@ class Engine:
         proposals = self._propose(plans)
         t2 = time.perf_counter()
         pending = [self._pending(r) for r in self.running]
+        contexts = [r.num_tokens for r in self.running]
         tasks = [self._verify_task(r, proposals.get(r.req_id)) for r in self.running]
         try:
             verdicts = self.target.verify(tasks)
@@ -154,7 +156,7 @@ class Engine:
         self._observe_costs(pending, proposals, t2 - t1, t3 - t2)
         self.step_log.append(StepRecord(
             batch=len(verdicts), ks=ks, emitted=sum(len(o.token_ids) for o in emitted), draft_s=t2 - t1,
-            target_s=t3 - t2, total_s=time.perf_counter() - t0, prefill=prefill))
+            target_s=t3 - t2, total_s=time.perf_counter() - t0, prefill=prefill, contexts=contexts))
         for out in emitted:
             if out.finished:
                 self._free(self.requests.pop(out.req_id))
