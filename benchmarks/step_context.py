@@ -1,15 +1,18 @@
-"""Decode steps' target time against the contexts they attend over, per policy. Not a test.
+"""Where a cell's engine time goes, step by step, and what the contexts cost. Not a test.
 
     .venv/bin/python benchmarks/step_context.py results/diagnostics/FILE.json [...]
 
-Question it answers: does a policy's verify get slower because its rows drift apart? The batched target forward
-gathers every row's keys up to the longest context (runner: keys [B, kvh, Kmax, hd]), so B x Kmax keys are read
-whatever the rows hold. Reads a bench JSON whose steps carry contexts ([..., sum of contexts, longest], runs after
-2026-11-27). For each cell and policy, the steps at the cell's batch size that drafted nothing and carried no
-prompt: their count, median target ms, median longest context, median padded keys (B x Kmax) and the padding's
-share of them. Then, over all those steps of the files at each batch size, least-squares lines of target seconds
-against padded keys and against the sum of contexts, with their R^2: the better line says which one the time
-follows.
+Reads a bench JSON whose steps carry contexts and tokens ([..., sum of the rows' contexts, the longest, tokens
+emitted]: runs after 2026-11-27). The batched target forward gathers every row's keys up to the longest context
+(runner: keys [B, kvh, Kmax, hd]), so a step attends over B x Kmax keys ("padded keys") whatever its rows hold.
+
+Per cell and policy, its steps in three kinds: those that carried a prompt, decode steps (nothing drafted), steps
+with drafts; their count, tokens emitted, target and draft seconds, and engine ms a token. Then over its steps at
+the cell's batch size without a prompt: the mean padded keys (does the policy make the batch attend over more?),
+and its decode steps' median target ms and median longest context. Then, per query tokens n = B + sum_k and draft
+calls (levels), over the steps at the cell's batch size without a prompt: count, median target ms and median draft
+ms. Last, over the decode steps of the files at each batch size, least-squares lines of target seconds against
+padded keys and against the sum of contexts, with their R^2: the better line says which one the time follows.
 """
 
 from __future__ import annotations
@@ -21,17 +24,25 @@ from pathlib import Path
 
 import numpy as np
 
+# a step row: [batch, sum_k, draft calls, draft_s, target_s, prefill, sum of contexts, longest context, emitted]
+BATCH, SUM_K, CALLS, DRAFT_S, TARGET_S, PREFILL, CTX_SUM, CTX_MAX, EMITTED = range(9)
 
-def decode_steps(doc: dict) -> list[tuple[str, int, list[tuple[float, int, int]]]]:
-    """Per cell and policy: (label, batch, [(target_s, sum of contexts, longest)]) of its full decode steps."""
+
+def cells(doc: dict) -> list[tuple[str, int, list[list[float]]]]:
+    """(label, batch, step rows) per cell and policy; SystemExit for a run whose steps lack contexts."""
     out = []
     for c in doc.get("steps", []):
-        rows = [r for r in c["steps"] if len(r) >= 8]
-        if len(rows) < len(c["steps"]):
+        if any(len(r) <= EMITTED for r in c["steps"]):
             raise SystemExit("this run's steps carry no contexts (it predates 2026-11-27): run it again")
-        b = c["batch"]
-        picked = [(r[4], r[6], r[7]) for r in rows if r[0] == b and r[1] == 0 and not r[5]]
-        out.append((f"{c['workload']} T={c['temperature']:g} b{b} {c['policy']}", b, picked))
+        out.append((f"{c['workload']} T={c['temperature']:g} b{c['batch']} {c['policy']}", c["batch"], c["steps"]))
+    return out
+
+
+def kinds(rows: list[list[float]]) -> dict[str, list[list[float]]]:
+    """The steps that carried a prompt, the decode steps (nothing drafted) and the steps with drafts."""
+    out: dict[str, list[list[float]]] = {"prompt": [], "decode": [], "drafted": []}
+    for r in rows:
+        out["prompt" if r[PREFILL] else "drafted" if r[SUM_K] else "decode"].append(r)
     return out
 
 
@@ -47,26 +58,41 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="+", type=Path)
     args = ap.parse_args()
-    pooled: dict[int, list[tuple[float, int, int]]] = {}
-    print(f"{'cell / policy':40} {'steps':>5} {'target ms':>9} {'Kmax':>5} {'B x Kmax':>8} {'padding':>7}")
+    decode_by_batch: dict[int, list[list[float]]] = {}
+    by_shape: dict[tuple[int, int, int], list[list[float]]] = {}  # (batch, n, calls) -> steps without a prompt
     for path in args.files:
-        for label, b, steps in decode_steps(json.loads(path.read_text())):
-            if not steps:
-                print(f"{label:40} {0:5}")
-                continue
-            pooled.setdefault(b, []).extend(steps)
-            pad = statistics.median(1 - s / (b * m) for _, s, m in steps)
-            print(f"{label:40} {len(steps):5} {1e3 * statistics.median(t for t, *_ in steps):9.1f} "
-                  f"{statistics.median(m for *_, m in steps):5.0f} {statistics.median(b * m for *_, m in steps):8.0f} "
-                  f"{pad:7.1%}")
-    for b, steps in sorted(pooled.items()):
+        for label, b, rows in cells(json.loads(path.read_text())):
+            k = kinds(rows)
+            for kind, steps in k.items():
+                tokens = sum(r[EMITTED] for r in steps)
+                t, d = sum(r[TARGET_S] for r in steps), sum(r[DRAFT_S] for r in steps)
+                per_token = f"{1e3 * (t + d) / tokens:.1f}" if tokens else "-"
+                print(f"{label} {kind:8}: {len(steps):4} steps, {tokens:5.0f} tokens, target {t:5.1f} s, "
+                      f"draft {d:5.1f} s, {per_token} ms a token")
+            full = [r for r in k["decode"] + k["drafted"] if r[BATCH] == b]
+            decode = [r for r in k["decode"] if r[BATCH] == b]
+            decode_by_batch.setdefault(b, []).extend(decode)
+            for r in full:
+                by_shape.setdefault((b, int(r[BATCH] + r[SUM_K]), int(r[CALLS])), []).append(r)
+            if full:
+                print(f"{label}: mean padded keys (B x Kmax) {statistics.mean(b * r[CTX_MAX] for r in full):.0f} over "
+                      f"{len(full)} steps without a prompt")
+            if decode:
+                print(f"{label}: decode steps' median {1e3 * statistics.median(r[TARGET_S] for r in decode):.1f} ms, "
+                      f"median longest context {statistics.median(r[CTX_MAX] for r in decode):.0f}")
+    for (b, n, calls), steps in sorted(by_shape.items()):
+        print(f"batch {b}, n = {n:3} query tokens, {calls} draft calls: {len(steps):4} steps, median target "
+              f"{1e3 * statistics.median(r[TARGET_S] for r in steps):6.1f} ms, draft "
+              f"{1e3 * statistics.median(r[DRAFT_S] for r in steps):6.1f} ms")
+    for b, steps in sorted(decode_by_batch.items()):
         if len(steps) < 3:
             continue
-        t = [s[0] for s in steps]
-        for name, x in (("B x Kmax", [b * m for *_, m in steps]), ("sum of contexts", [s for _, s, _ in steps])):
+        t = [r[TARGET_S] for r in steps]
+        lines = (("B x Kmax", [b * r[CTX_MAX] for r in steps]), ("sum of contexts", [r[CTX_SUM] for r in steps]))
+        for name, x in lines:
             a, slope, r2 = fit(x, t)
-            print(f"batch {b}: target s = {1e3 * a:.1f} ms + {1e6 * slope:.2f} us x {name} (R^2 {r2:.2f}, "
-                  f"{len(steps)} steps)")
+            print(f"batch {b} decode steps: target s = {1e3 * a:.1f} ms + {1e6 * slope:.2f} us x {name} "
+                  f"(R^2 {r2:.2f}, {len(steps)} steps)")
 
 
 if __name__ == "__main__":

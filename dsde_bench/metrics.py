@@ -60,6 +60,7 @@ class StepSample:
     target_s: float
     prefill: bool = False  # a request was admitted before this step (its prompt was in the forward)
     contexts: list[int] = field(default_factory=list)  # committed tokens per sequence (engine runs; [] if simulated)
+    emitted: int = 0  # tokens the step emitted (engine runs; 0 if simulated)
 
     @property
     def draft_calls(self) -> int:

@@ -157,7 +157,7 @@ def drive(engine: Engine, prompts: Sequence[Sequence[int]], prompt_ids: Sequence
         if len(engine.step_log) > n_log:
             r = engine.step_log[-1]
             steps.append(StepSample(r.batch, list(r.ks), r.draft_s, r.target_s, prefill=admitted,
-                                     contexts=list(r.contexts)))
+                                     contexts=list(r.contexts), emitted=r.emitted))
         for req, pid in [x for x in live if x[0].finished]:
             if req.error:
                 raise RuntimeError(f"request {pid} failed: {req.error}")
@@ -304,11 +304,11 @@ def run_grid(backend: Backend, cfg: GridConfig, print_fn: Callable[[str], None] 
                         series += [{"workload": w, "temperature": temp, "batch": bs, "policy": pol, "request": rid,
                                     "steps": rows} for rid, rows in run.series.items()]
                         # per engine step: [batch, sum_k, draft calls, draft_s, target_s, prefill, sum of the rows'
-                        # contexts, the longest] (benchmarks/step_context.py reads the last two)
+                        # contexts, the longest, tokens emitted] (benchmarks/step_context.py reads the last three)
                         steps_out.append({"workload": w, "temperature": temp, "batch": bs, "policy": pol,
                                           "steps": [[s.batch, sum(s.ks), s.draft_calls, round(s.draft_s, 6),
                                                      round(s.target_s, 6), int(s.prefill), sum(s.contexts),
-                                                     max(s.contexts, default=0)] for s in run.steps]})
+                                                     max(s.contexts, default=0), s.emitted] for s in run.steps]})
                         add_speedups(group)
                         print_fn(format_row(cell))
                         bar.update(1)

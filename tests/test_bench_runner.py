@@ -49,6 +49,7 @@ def test_drive_keeps_at_most_batch_in_flight(backend) -> None:
     # the prompts plus what the first step emitted
     assert run.steps[0].contexts == [3, 2] and all(len(s.contexts) == s.batch for s in run.steps)
     assert all(b > a for a, b in zip(run.steps[0].contexts, run.steps[1].contexts, strict=True))
+    assert sum(s.emitted for s in run.steps) == 5 * 6
     assert engine.policy.num_tracked() == 0 and not engine.has_unfinished()
     with pytest.raises(ConfigError):
         drive(engine, prompts, [f"p{i}" for i in range(5)], [SamplingParams(max_tokens=6)] * 5, batch=5)
@@ -92,10 +93,13 @@ def test_run_grid_tiny(backend) -> None:
     # DSDE's per-step series carry its internals for the plots
     s = next(s for s in doc["series"] if s["policy"] == "dsde")
     assert {"planned", "proposed", "accepted", "kld", "warm"} <= set(s["steps"][0])
-    # engine steps: [batch, sum_k, calls, draft_s, target_s, prefill, sum of contexts, longest context]
+    # engine steps: [batch, sum_k, calls, draft_s, target_s, prefill, sum of contexts, longest context, emitted]
     for c in doc["steps"]:
-        for batch, *_, ctx_sum, ctx_max in c["steps"]:
+        for batch, *_, ctx_sum, ctx_max, _ in c["steps"]:
             assert 0 < ctx_max <= ctx_sum <= batch * ctx_max
+        key = ("workload", "temperature", "batch", "policy")
+        cell = next(x for x in engine_cells if all(x[f] == c[f] for f in key))
+        assert sum(r[-1] for r in c["steps"]) == cell["metrics"]["output_tokens"]
     json.dumps(doc)  # JSON-serialisable as is
     assert "Static-opt (k=" in format_row(next(c for c in cells if c["policy"] == "static-opt"))
 
