@@ -59,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                 "hf-generate (default: the two assisted ones)")
     g.add_argument("--no-anchor", action="store_true", help="skip transformers' assisted generation")
     g.add_argument("--ignore-eos", action="store_true", help="generate max_tokens even after EOS")
+    g.add_argument("--length-spread", type=float, default=0.0,
+                   help="request i generates max_tokens x (1 - F u_i), u_i uniform in [0, 1) from the seed: with "
+                        "--ignore-eos, requests that end apart instead of a batch in lockstep (default 0; the "
+                        "in-process grid only, with --no-anchor)")
     g.add_argument("--repeats", type=int, default=1, help="runs per cell, the median run kept (default 1); at T > 0 "
                    "each round samples with new seeds, the same for every policy")
     g.add_argument("--warm-requests", type=int, default=0,
@@ -119,6 +123,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     args.code = provenance.code_version()  # the code the run starts with: the checkout may move on during a run
     try:
+        if args.length_spread and (args.url or args.simulate):
+            raise ConfigError("--length-spread runs the in-process grid only (not --url or --simulate)")
         if args.url:
             return _serve(args)
         if args.simulate:
@@ -203,7 +209,7 @@ def _grid_config(args: argparse.Namespace) -> Any:
         num_prompts=args.num_prompts or (FULL_GRID["num_prompts"] if full else 4),
         max_tokens=args.max_tokens or (FULL_GRID["max_tokens"] if full else 32),
         seed=args.seed, max_chars=args.max_chars, anchor=tuple(anchor), ignore_eos=args.ignore_eos,
-        repeats=args.repeats, warm_requests=args.warm_requests)
+        repeats=args.repeats, warm_requests=args.warm_requests, length_spread=args.length_spread)
 
 
 # ---- modes ---------------------------------------------------------------------------------------------------

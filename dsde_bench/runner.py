@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -84,6 +85,9 @@ class GridConfig:
     ignore_eos: bool = False
     repeats: int = 1  # runs per cell, round-robin over the policies; the median run is kept
     warm_requests: int = 0  # a policy that learns across requests first serves this many other prompts (untimed)
+    # request i's max_tokens is max_tokens * (1 - length_spread * u_i), u_i uniform in [0, 1) drawn from (seed, i):
+    # with ignore_eos, requests that end apart (as a server's do) instead of a closed batch of equal ones in lockstep
+    length_spread: float = 0.0
 
     def __post_init__(self) -> None:
         for w in self.workloads:
@@ -109,6 +113,11 @@ class GridConfig:
             raise ConfigError(f"repeats must be >= 1, got {self.repeats}")
         if self.warm_requests < 0:
             raise ConfigError(f"warm_requests must be >= 0, got {self.warm_requests}")
+        if not 0.0 <= self.length_spread < 1.0:
+            raise ConfigError(f"length_spread must be in [0, 1), got {self.length_spread}")
+        if self.length_spread and self.anchor:
+            raise ConfigError("length_spread gives requests different lengths, which the transformers anchor does not "
+                              "run: pass --no-anchor")
         from dsde_bench.anchor import ALL_ANCHOR_SYSTEMS
 
         bad = [a for a in self.anchor if a not in ALL_ANCHOR_SYSTEMS]
@@ -170,10 +179,19 @@ def drive(engine: Engine, prompts: Sequence[Sequence[int]], prompt_ids: Sequence
     return CellRun(done, steps, wall)
 
 
-def sampling_params(n: int, max_tokens: int, temperature: float, seed: int, ignore_eos: bool) -> list[SamplingParams]:
-    """Request i gets seed + i: at T > 0 each policy sees the same random streams."""
-    return [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i, ignore_eos=ignore_eos)
+def sampling_params(n: int, max_tokens: int | Sequence[int], temperature: float, seed: int,
+                    ignore_eos: bool) -> list[SamplingParams]:
+    """Request i gets seed + i: at T > 0 each policy sees the same random streams. max_tokens: one for all, or
+    request i's (request_lengths)."""
+    lengths = [max_tokens] * n if isinstance(max_tokens, int) else list(max_tokens)
+    return [SamplingParams(max_tokens=lengths[i], temperature=temperature, seed=seed + i, ignore_eos=ignore_eos)
             for i in range(n)]
+
+
+def request_lengths(n: int, max_tokens: int, spread: float, seed: int) -> list[int]:
+    """[n] max_tokens of each request: max_tokens * (1 - spread * u_i), u_i uniform in [0, 1) from (seed, i), at
+    least 2; the same for every policy, round and temperature. spread 0: all max_tokens."""
+    return [max(2, round(max_tokens * (1 - spread * random.Random(f"length:{seed}:{i}").random()))) for i in range(n)]
 
 
 def round_seed(seed: int, round_: int, temperature: float) -> int:
@@ -284,8 +302,9 @@ def run_grid(backend: Backend, cfg: GridConfig, print_fn: Callable[[str], None] 
                 runs: dict[str, list[tuple[CellRun, list[float | None], CellMetrics]]] = {}
                 group: list[dict[str, Any]] = []
                 for rep in range(cfg.repeats):
-                    params = sampling_params(len(ids), cfg.max_tokens, temp, round_seed(cfg.seed, rep, temp),
-                                             cfg.ignore_eos)
+                    params = sampling_params(len(ids), request_lengths(len(ids), cfg.max_tokens, cfg.length_spread,
+                                                                       cfg.seed),
+                                             temp, round_seed(cfg.seed, rep, temp), cfg.ignore_eos)
                     for pol in policies:
                         load0 = _loadavg()
                         run = run_cell(backend.engine, pol, ids, pids, params, bs, cfg.watch, warm)

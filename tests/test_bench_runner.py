@@ -126,6 +126,40 @@ def test_sampling_params_seeds_differ_per_request() -> None:
     assert [p.seed for p in ps] == [10, 11, 12] and all(p.temperature == 1.0 for p in ps)
 
 
+def test_request_lengths_spread_below_max_tokens_the_same_every_time() -> None:
+    lengths = runner.request_lengths(200, 48, 0.5, seed=1)
+    assert all(24 <= n <= 48 for n in lengths) and len(set(lengths)) > 10
+    assert lengths == runner.request_lengths(200, 48, 0.5, seed=1) != runner.request_lengths(200, 48, 0.5, seed=2)
+    assert runner.request_lengths(3, 48, 0.0, seed=1) == [48, 48, 48]
+    assert min(runner.request_lengths(50, 2, 0.9, seed=1)) == 2  # never below 2
+    assert [p.max_tokens for p in sampling_params(3, [5, 7, 9], 0.0, 1, True)] == [5, 7, 9]
+    with pytest.raises(ConfigError, match="length_spread"):
+        GridConfig(anchor=(), length_spread=1.0)
+    with pytest.raises(ConfigError, match="--no-anchor"):
+        GridConfig(length_spread=0.5)
+
+
+@needs_data
+def test_length_spread_runs_every_policy_on_the_same_lengths(backend) -> None:
+    """With --ignore-eos and a spread, each request generates its own length, the same under every policy and round:
+    the rows of target-only end apart too."""
+    cfg = GridConfig(workloads=("code",), policies=("off", "static:2"), batch_sizes=(2,), temperatures=(1.0,),
+                     num_prompts=4, max_tokens=12, anchor=(), warmup=False, repeats=2, ignore_eos=True,
+                     length_spread=0.6)
+    doc = run_grid(backend, cfg, print_fn=lambda s: None, progress=False)
+    want = runner.request_lengths(4, 12, 0.6, cfg.seed)
+    assert len(set(want)) > 1
+    for c in [c for c in doc["cells"] if c["policy"] != "static-opt"]:
+        assert [r["output_tokens"] for r in c["requests"]] == want
+
+
+def test_length_spread_outside_the_grid_is_a_clear_error(tmp_path, capsys) -> None:
+    for mode in (["--simulate"], ["--url", "http://127.0.0.1:9"]):
+        rc = cli.main(["--tiny", *mode, "--length-spread", "0.5", "--results-dir", str(tmp_path), "--no-report"])
+        assert rc == 2 and "--length-spread runs the in-process grid only" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
 @needs_data
 def test_cli_grid_and_report(tmp_path, capsys) -> None:
     res = tmp_path / "results"
