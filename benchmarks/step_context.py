@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-# a step row: [batch, sum_k, draft calls, draft_s, target_s, prefill, sum of contexts, longest context, emitted]
+# a step row, as dsde_bench.metrics.StepSample.row writes it
 BATCH, SUM_K, CALLS, DRAFT_S, TARGET_S, PREFILL, CTX_SUM, CTX_MAX, EMITTED = range(9)
 
 

@@ -71,6 +71,13 @@ class StepSample:
         """Query tokens of the verification forward outside prefill: one pending token per sequence + drafts."""
         return self.batch + sum(self.ks)
 
+    def row(self) -> list[float]:
+        """The step as bench.json's "steps" keep it: [batch, sum_k, draft calls, draft_s, target_s, prefill, sum of
+        the rows' contexts, the longest, tokens emitted] (fit_engine_steps, report.prefill_shares and
+        benchmarks/step_context.py read it by position)."""
+        return [self.batch, sum(self.ks), self.draft_calls, round(self.draft_s, 6), round(self.target_s, 6),
+                int(self.prefill), sum(self.contexts), max(self.contexts, default=0), self.emitted]
+
 
 @dataclass
 class CellMetrics:

@@ -289,6 +289,7 @@ def run_grid(backend: Backend, cfg: GridConfig, print_fn: Callable[[str], None] 
         prompts = load_workload(w, cfg.num_prompts, cfg.seed, cfg.max_chars)
         pids = _unique_ids(prompts)
         ids = [backend.encode(p.text) for p in prompts]
+        lengths = request_lengths(len(ids), cfg.max_tokens, cfg.length_spread, cfg.seed)  # every cell and round's
         workload_prompts[w] = [{"id": pid, "tokens": len(x)} for pid, x in zip(pids, ids, strict=True)]
         warm_prompts = other_prompts(w, cfg.warm_requests, cfg.seed, cfg.max_chars, prompts)
         for temp in cfg.temperatures:
@@ -302,9 +303,7 @@ def run_grid(backend: Backend, cfg: GridConfig, print_fn: Callable[[str], None] 
                 runs: dict[str, list[tuple[CellRun, list[float | None], CellMetrics]]] = {}
                 group: list[dict[str, Any]] = []
                 for rep in range(cfg.repeats):
-                    params = sampling_params(len(ids), request_lengths(len(ids), cfg.max_tokens, cfg.length_spread,
-                                                                       cfg.seed),
-                                             temp, round_seed(cfg.seed, rep, temp), cfg.ignore_eos)
+                    params = sampling_params(len(ids), lengths, temp, round_seed(cfg.seed, rep, temp), cfg.ignore_eos)
                     for pol in policies:
                         load0 = _loadavg()
                         run = run_cell(backend.engine, pol, ids, pids, params, bs, cfg.watch, warm)
@@ -322,12 +321,8 @@ def run_grid(backend: Backend, cfg: GridConfig, print_fn: Callable[[str], None] 
                         group.append(cell)
                         series += [{"workload": w, "temperature": temp, "batch": bs, "policy": pol, "request": rid,
                                     "steps": rows} for rid, rows in run.series.items()]
-                        # per engine step: [batch, sum_k, draft calls, draft_s, target_s, prefill, sum of the rows'
-                        # contexts, the longest, tokens emitted] (benchmarks/step_context.py reads the last three)
                         steps_out.append({"workload": w, "temperature": temp, "batch": bs, "policy": pol,
-                                          "steps": [[s.batch, sum(s.ks), s.draft_calls, round(s.draft_s, 6),
-                                                     round(s.target_s, 6), int(s.prefill), sum(s.contexts),
-                                                     max(s.contexts, default=0), s.emitted] for s in run.steps]})
+                                          "steps": [s.row() for s in run.steps]})
                         add_speedups(group)
                         print_fn(format_row(cell))
                         bar.update(1)
