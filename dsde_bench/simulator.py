@@ -221,7 +221,6 @@ MEASURED_SIZES: tuple[int, ...] = (*range(1, 49), 56, 64, 80, 96, 128, 160, 192,
 
 
 @torch.inference_mode()
-
 def measure_costs(target: Any, draft: Any, context: int = 128, repeats: int = 3,
                   sizes: Sequence[int] = MEASURED_SIZES, slot: int = 0) -> CostModel:
     """Time forwards of n query tokens after a `context`-token prefix, for each runner: the profile prices forwards
@@ -229,6 +228,11 @@ def measure_costs(target: Any, draft: Any, context: int = 128, repeats: int = 3,
     minimum of `repeats` timings is kept: on a shared machine other work only ever adds time. Uses one slot of each
     runner and leaves it empty."""
     def timings(runner: Any) -> list[list[float]]:
+        def done() -> float:  # a GPU forward returns before it has run: wait for it before reading the clock
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize(runner.device)
+            return time.perf_counter()
+
         runner.set_length(slot, 0)
         runner.forward([slot], [[1] * context], [1])  # the prefix's KV stays; each timing rolls back to it
         ns = [n for n in sizes if context + n <= runner.cache.max_seq_len]
@@ -236,10 +240,10 @@ def measure_costs(target: Any, draft: Any, context: int = 128, repeats: int = 3,
         for rep in range(repeats + 1):  # pass 0 only warms up: the first call of a shape pays one-off costs
             for n in ns:  # sizes interleaved, so that a burst of other work does not bias one size
                 runner.set_length(slot, context)
-                t0 = time.perf_counter()
-                runner.forward([slot], [[1] * n], [n])
+                t0 = done()
+                runner.forward([slot], [[1] * n], [n]).cpu()  # as the workers do (a no-op on the CPU)
                 if rep:
-                    best[n] = min(best[n], time.perf_counter() - t0)
+                    best[n] = min(best[n], done() - t0)
         runner.set_length(slot, 0)
         return [[float(n), best[n]] for n in ns]
 

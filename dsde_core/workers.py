@@ -8,6 +8,9 @@ tokens whose KV sit in its cache. Every call carries the committed tokens the wo
 the worker keeps the longest cached prefix that matches the committed sequence (capped so that the last
 committed token is always fed again) and feeds the rest. One rule covers rollback after a rejection,
 the draft catching up after a fully accepted step, and rebuilding an empty cache after a restart.
+
+Sampling, verification and the KLD signal run on the host: a forward's logits come back to the CPU once (a no-op
+on a CPU device), where each request's generator lives, so a seed draws the same tokens on any device.
 """
 
 from __future__ import annotations
@@ -146,7 +149,7 @@ class DraftWorker(_Worker):
         drafted = level = 0
         while batch:
             slots = [slot for slot, _ in batch]
-            logits = self.runner.forward(slots, [toks for _, toks in batch], [1] * len(batch))  # [B, V]
+            logits = self.runner.forward(slots, [toks for _, toks in batch], [1] * len(batch)).cpu()  # [B, V]
             if self.logit_noise > 0:
                 noise = torch.randn(logits.shape, generator=self._noise_gen) * self.logit_noise
                 logits = logits + noise.to(logits.device, logits.dtype)
@@ -198,7 +201,7 @@ class TargetWorker(_Worker):
             drafts = t.proposal.tokens if t.proposal else []
             feeds.append(self._sync(t.slot, t.new_tokens) + drafts)
         ks = [len(t.proposal.tokens) if t.proposal else 0 for t in tasks]
-        logits = self.runner.forward([t.slot for t in tasks], feeds, [k + 1 for k in ks])  # [sum(k+1), V]
+        logits = self.runner.forward([t.slot for t in tasks], feeds, [k + 1 for k in ks]).cpu()  # [sum(k+1), V]
         verdicts, row = [], 0
         for t, feed, k in zip(tasks, feeds, ks, strict=True):
             s = self.slots[t.slot]

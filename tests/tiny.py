@@ -3,6 +3,7 @@ so that draft and target agree often but not always (every accept/reject path ru
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
 import torch
@@ -16,6 +17,7 @@ from dsde_core.policies import SpeculationPolicy, make_policy
 from dsde_core.workers import DraftWorker, TargetWorker
 
 VOCAB = 96
+DEVICE = os.environ.get("DSDE_TEST_DEVICE", "cpu")  # "cuda": the engine tests on a GPU (benchmarks/gpu_check.sh)
 
 
 class IdTokenizer:
@@ -43,15 +45,15 @@ def tiny_pair(noise: float = 0.03, seed: int = 0) -> tuple[LlamaModel, LlamaMode
     gen = torch.Generator().manual_seed(seed + 1)
     noisy = {k: v + noise * v.std() * torch.randn(v.shape, generator=gen) if v.numel() > 1 else v.clone()
              for k, v in state.items()}
-    target = LlamaModel.from_hf(config, dict(state), dtype=torch.float32)
-    draft = LlamaModel.from_hf(config, noisy, dtype=torch.float32)
+    target = LlamaModel.from_hf(config, dict(state), dtype=torch.float32, device=DEVICE)
+    draft = LlamaModel.from_hf(config, noisy, dtype=torch.float32, device=DEVICE)
     return target, draft
 
 
 def tiny_engine(policy: str | SpeculationPolicy = "dsde", batch: int = 4, max_seq_len: int = 256,
                 noise: float = 0.03, eos: tuple[int, ...] = (), with_draft: bool = True, **cfg) -> Engine:
     target, draft = tiny_pair(noise)
-    config = EngineConfig(max_batch_size=batch, max_seq_len=max_seq_len, dtype="float32", **cfg)
+    config = EngineConfig(max_batch_size=batch, max_seq_len=max_seq_len, dtype="float32", device=DEVICE, **cfg)
     draft_worker = (DraftWorker(ModelRunner(draft, batch, max_seq_len), config.draft_top_k, config.draft_logit_noise)
                     if with_draft else None)
     pol = make_policy(policy) if isinstance(policy, str) else policy
