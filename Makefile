@@ -62,7 +62,8 @@ bench: models
 # Trace-driven simulator with the oracle, validated against real runs: the published run (results/simulate.json);
 # ARGS after it override its choices.
 SIM_ARGS := --workloads code,chat,mixed --max-tokens 64 --validate-batch-sizes 1 \
-  --validate-policies off,static:2,static:4,dsde,dsde-goodput --profiles measured,engine,gpu,gpu:ratio=0.25
+  --validate-policies off,static:2,static:4,dsde,dsde-goodput --profiles measured,engine,gpu,gpu:ratio=0.25,gpu-h100 \
+  --costs gpu-h100=results/gpu/costs_h100.json
 bench-sim: models
 	$(VENV)/bin/dsde bench --simulate --validate --warm-requests 4 $(SIM_ARGS) $(ARGS)
 

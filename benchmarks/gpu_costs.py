@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -80,8 +81,8 @@ def main() -> None:
     draft, dshape = random_model(args.configs / "draft.json", dtype, args.device)
     slots, max_len = 64, 2048
     t_run, d_run = ModelRunner(target, slots, max_len), ModelRunner(draft, slots, max_len)
-    model = measure_costs(t_run, d_run)  # context 128, one slot, n = 1..256 query tokens (as results/costs.json)
-    model.name = "h100"
+    # context 128, one slot, n = 1..256 query tokens (as results/costs.json)
+    model = replace(measure_costs(t_run, d_run), name="gpu-measured")
     batches, queries = (1, 2, 4, 8, 16, 32, 64), (1, 2, 3, 5, 9)
     doc = {
         "backend": {"draft": "qwen2.5-coder-0.5b-instruct shapes, random weights",

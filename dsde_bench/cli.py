@@ -87,6 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cost profiles: measured (timed forwards here), engine (fitted from RESULTS/bench.json), "
                         "cpu, gpu, each with optional :key=value,... "
                         "(ratio, knee, base_ms, per_token_ms, padded); default measured,gpu")
+    s.add_argument("--costs", type=_strs, default=(),
+                   help="NAME=FILE,...: a costs file's measured table as profile NAME (results/costs.json's format, "
+                        "e.g. results/gpu/costs_h100.json from benchmarks/gpu_costs.py on a GPU)")
     s.add_argument("--sim-policies", type=_strs, help="policies to replay (default: all, dsde-paper and oracle)")
     s.add_argument("--sim-batch-sizes", type=_ints, default=(1, 4, 16), help="default 1,4,16")
     s.add_argument("--sim-requests", type=int, default=None,
@@ -249,6 +252,7 @@ def _simulate(args: argparse.Namespace) -> int:
         DEFAULT_SIM_POLICIES,
         CostModel,
         fit_engine_steps,
+        load_costs_file,
         make_sim_policy,
         measure_costs,
         parse_profile,
@@ -319,7 +323,13 @@ def _simulate(args: argparse.Namespace) -> int:
             raise ConfigError(f"cost profile 'engine' fits the step timings of {bench}: run `dsde bench` first")
         rows = [r for c in json.loads(bench.read_text()).get("steps", []) for r in c["steps"]]
         engine_model = fit_engine_steps(rows, beyond=measured)
-    profiles = [parse_profile(p, measured, engine_model) for p in args.profiles]
+    files = {}
+    for item in args.costs:
+        name, eq, path = item.partition("=")
+        if not eq or not name.strip() or not path.strip():
+            raise ConfigError(f"--costs takes NAME=FILE, got {item!r}")
+        files[name.strip()] = load_costs_file(name.strip(), path.strip())
+    profiles = [parse_profile(p, measured, engine_model, files) for p in args.profiles]
 
     from dsde_bench.runner import ROW_HEADER, format_row
 

@@ -21,10 +21,12 @@ costing `ratio` = 5% of a target forward, padded verification); any of them can 
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -160,14 +162,18 @@ def builtin_profile(name: str) -> CostModel:
     if name == "gpu":
         return CostModel("gpu", GPU_BASE_S, GPU_BASE_S / GPU_KNEE, 0.05 * GPU_BASE_S, 0.05 * GPU_BASE_S / GPU_KNEE,
                          knee=GPU_KNEE, padded=True)
-    raise ConfigError(f"unknown cost profile {name!r}; valid: measured, engine, cpu, gpu (with :key=value,... "
-                      "overrides)")
+    raise ConfigError(f"unknown cost profile {name!r}; valid: measured, engine, cpu, gpu, or a NAME given by "
+                      "--costs NAME=FILE (with :key=value,... overrides)")
 
 
-def parse_profile(spec: str, measured: CostModel | None = None, engine: CostModel | None = None) -> CostModel:
-    """'gpu', 'cpu', 'measured', 'engine', or any of them with overrides: 'gpu:ratio=0.2,knee=64', 'cpu:padded=1'."""
+def parse_profile(spec: str, measured: CostModel | None = None, engine: CostModel | None = None,
+                  files: Mapping[str, CostModel] | None = None) -> CostModel:
+    """'gpu', 'cpu', 'measured', 'engine', a name of `files` (costs files: `--costs NAME=FILE`), or any of them with
+    overrides: 'gpu:ratio=0.2,knee=64', 'cpu:padded=1'."""
     name, _, args = spec.strip().partition(":")
-    if name in ("measured", "engine"):
+    if files and name in files:
+        base = files[name]
+    elif name in ("measured", "engine"):
         got = measured if name == "measured" else engine
         if got is None:
             raise ConfigError(f"cost profile {name!r} needs " + ("a measurement (measure_costs) or a costs file"
@@ -214,6 +220,21 @@ def parse_profile(spec: str, measured: CostModel | None = None, engine: CostMode
             if base.target_per_token_s else 1.0
         kw.setdefault("draft_per_token_s", base.draft_per_token_s * scale)
     return replace(base, name=spec.strip(), **kw)
+
+
+def load_costs_file(name: str, path: str | Path) -> CostModel:
+    """The measured table of a costs file (results/costs.json's format: measure_costs on this machine, or
+    benchmarks/gpu_costs.py on another), as the profile `name`."""
+    if name in ("measured", "engine", "cpu", "gpu"):
+        raise ConfigError(f"--costs {name}=...: {name!r} is a built-in profile; choose another name")
+    try:
+        model = json.loads(Path(path).read_text())["model"]
+        return replace(CostModel(**model), name=name)
+    except FileNotFoundError:
+        raise ConfigError(f"--costs {name}={path}: no such file") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--costs {name}={path}: not a costs file (a JSON object with a 'model' cost model): "
+                          f"{e}") from None
 
 
 MEASURED_SIZES: tuple[int, ...] = (*range(1, 49), 56, 64, 80, 96, 128, 160, 192, 256)

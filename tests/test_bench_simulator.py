@@ -3,7 +3,8 @@ forwards per output token within 5% of measured for every policy at temperature 
 
 from __future__ import annotations
 
-from dataclasses import replace
+import json
+from dataclasses import asdict, replace
 
 import pytest
 
@@ -17,6 +18,7 @@ from dsde_bench.simulator import (
     ProfileCosts,
     builtin_profile,
     fit_engine_steps,
+    load_costs_file,
     parse_profile,
     simulate,
     sweep,
@@ -221,6 +223,24 @@ def test_profiles() -> None:
         parse_profile("tpu")
     with pytest.raises(ConfigError):
         parse_profile("gpu:speed=3")
+
+
+def test_a_costs_file_is_a_named_profile(tmp_path) -> None:
+    """`--costs NAME=FILE`: a costs file measured elsewhere (benchmarks/gpu_costs.py on a GPU) prices by its table."""
+    table = CostModel("gpu-measured", 0.015, 0.0001, 0.016, 0.0001, points={"target": [[1, 0.015], [8, 0.016]],
+                      "draft": [[1, 0.016], [8, 0.013]]}, table=True)
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"backend": {}, "model": asdict(table)}))
+    h100 = load_costs_file("h100", path)
+    assert h100.name == "h100" and h100.draft_fwd(8) == pytest.approx(0.013)  # the table, not the hinge
+    assert parse_profile("h100", files={"h100": h100}).target_fwd(4) == pytest.approx(0.015 + 3 / 7 * 0.001)
+    assert parse_profile("h100:ratio=0.5", files={"h100": h100}).draft_fwd(8) == pytest.approx(0.008)
+    for name, bad, words in (("gpu", path, "built-in"), ("x", tmp_path / "none.json", "no such file")):
+        with pytest.raises(ConfigError, match=words):
+            load_costs_file(name, bad)
+    (tmp_path / "bad.json").write_text("[1]")
+    with pytest.raises(ConfigError, match="not a costs file"):
+        load_costs_file("x", tmp_path / "bad.json")
 
 
 def test_engine_profile_prices_what_the_engine_ran_and_follows_a_measured_model_beyond() -> None:
