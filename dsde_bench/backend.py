@@ -84,13 +84,14 @@ def _cpu_model() -> str:
 
 def load_backend(draft: str = DEFAULT_DRAFT, target: str = DEFAULT_TARGET, dtype: str = "bfloat16",
                  max_batch: int = 4, max_seq_len: int = 2048, max_sl: int = 20,
-                 num_threads: int | None = None, draft_noise: float = 0.0) -> Backend:
+                 num_threads: int | None = None, draft_noise: float = 0.0, draft_window: int | None = None) -> Backend:
     """The real pair through dsde_core's loader (embedded name, HF directory or GGUF file). draft_noise: Gaussian
-    noise on the draft's logits (a deliberately weak draft; the transformers anchor does not see it)."""
+    noise on the draft's logits (a deliberately weak draft; the transformers anchor does not see it). draft_window:
+    EngineConfig.draft_window (None: off, the default engine; the anchor does not see it either)."""
     from dsde_core.llm import SpeculativeLLM
 
     config = EngineConfig(max_batch_size=max_batch, max_seq_len=max_seq_len, max_sl=max_sl, dtype=dtype,
-                          num_threads=num_threads, draft_logit_noise=draft_noise)
+                          num_threads=num_threads, draft_logit_noise=draft_noise, draft_window=draft_window)
     llm = SpeculativeLLM.load(draft=draft, target=target, config=config, policy="off")
 
     def hf_pair() -> tuple[Any, Any]:
@@ -103,6 +104,8 @@ def load_backend(draft: str = DEFAULT_DRAFT, target: str = DEFAULT_TARGET, dtype
     desc = {"draft": draft, "target": target, "dtype": dtype, "max_sl": max_sl, "max_seq_len": max_seq_len}
     if draft_noise:
         desc["draft_noise"] = draft_noise
+    if draft_window is not None:
+        desc["draft_window"] = draft_window
     return Backend(llm.engine, lambda text: llm.encode(text, chat=True), desc, hf_pair,
                    pad_token_id=llm.tokenizer.eos_token_id)
 
@@ -144,7 +147,7 @@ def tiny_encode(text: str, max_tokens: int = 48) -> list[int]:
 
 
 def tiny_backend(max_batch: int = 4, max_seq_len: int = 512, max_sl: int = 20, noise: float = 0.03,
-                 seed: int = 0) -> Backend:
+                 seed: int = 0, draft_window: int | None = None) -> Backend:
     """A random-weight 2-layer Qwen2 target and a noisy copy as draft, fp32: every code path in seconds."""
     from dsde_core.models.llama import LlamaModel
     from dsde_core.models.runner import ModelRunner
@@ -153,11 +156,14 @@ def tiny_backend(max_batch: int = 4, max_seq_len: int = 512, max_sl: int = 20, n
     hf_target, hf_draft = _tiny_hf(seed, noise)
     target = LlamaModel.from_hf(hf_target.config, _copy(hf_target), dtype=torch.float32)
     draft = LlamaModel.from_hf(hf_draft.config, _copy(hf_draft), dtype=torch.float32)
-    config = EngineConfig(max_batch_size=max_batch, max_seq_len=max_seq_len, max_sl=max_sl, dtype="float32")
+    config = EngineConfig(max_batch_size=max_batch, max_seq_len=max_seq_len, max_sl=max_sl, dtype="float32",
+                          draft_window=draft_window)
     engine = Engine(TargetWorker(ModelRunner(target, max_batch, max_seq_len)),
                     DraftWorker(ModelRunner(draft, max_batch, max_seq_len), config.draft_top_k,
-                                config.draft_logit_noise),
+                                config.draft_logit_noise, config.draft_window),
                     make_policy("off"), _IdTokenizer(), config, vocab_size=TINY_VOCAB)
     desc = {"draft": f"tiny-random(noise={noise})", "target": "tiny-random", "dtype": "float32", "max_sl": max_sl,
             "max_seq_len": max_seq_len}
+    if draft_window is not None:
+        desc["draft_window"] = draft_window
     return Backend(engine, tiny_encode, desc, lambda: (hf_target, hf_draft), pad_token_id=0)

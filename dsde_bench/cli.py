@@ -79,6 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     m.add_argument("--draft-noise", type=float, default=0.0,
                    help="std of Gaussian noise on the draft's logits: a deliberately weak draft (default 0)")
+    m.add_argument("--draft-window", type=int, default=None, metavar="N",
+                   help="EngineConfig.draft_window: the draft takes in only the last N tokens of a prompt (default: "
+                        "off, the engine of the published figures; the in-process grid only)")
     m.add_argument("--tiny", action="store_true", help="random-weight tiny pair instead of real models (smoke runs)")
 
     s = p.add_argument_group("simulator (--simulate)")
@@ -128,6 +131,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.length_spread and (args.url or args.simulate):
             raise ConfigError("--length-spread runs the in-process grid only (not --url or --simulate)")
+        if args.draft_window is not None:
+            if args.url or args.simulate:
+                raise ConfigError("--draft-window runs the in-process grid only (a server has its own draft_window; "
+                                  "--simulate's traces do not window the draft)")
+            from dsde_core.config import EngineConfig
+
+            EngineConfig(draft_window=args.draft_window)  # a bad N fails now, before any data or model loads
         if args.url:
             return _serve(args)
         if args.simulate:
@@ -189,11 +199,12 @@ def _backend(args: argparse.Namespace, max_batch: int) -> Any:
     from dsde_bench.backend import load_backend, tiny_backend
 
     if args.tiny:
-        return tiny_backend(max_batch=max_batch, max_sl=args.max_sl, max_seq_len=min(args.max_seq_len, 1024))
+        return tiny_backend(max_batch=max_batch, max_sl=args.max_sl, max_seq_len=min(args.max_seq_len, 1024),
+                            draft_window=args.draft_window)
     kw = {k: v for k, v in (("draft", args.draft), ("target", args.target)) if v}
     print(f"loading models ({args.dtype}) ...", file=sys.stderr)
     return load_backend(dtype=args.dtype, max_batch=max_batch, max_seq_len=args.max_seq_len, max_sl=args.max_sl,
-                        num_threads=args.threads, draft_noise=args.draft_noise, **kw)
+                        num_threads=args.threads, draft_noise=args.draft_noise, draft_window=args.draft_window, **kw)
 
 
 def _grid_config(args: argparse.Namespace) -> Any:

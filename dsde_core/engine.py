@@ -165,7 +165,7 @@ class Engine:
     def _plan(self) -> dict[str, Plan]:
         # a sequence whose draft cache is empty (it never drafted, or the draft restarted) prefills it when it drafts
         infos = [SeqInfo(r.req_id, r.params.temperature, self._max_k(r), self._pending(r), r.remaining(),
-                         r.draft_context(drafting=True)) for r in self.running]
+                         r.draft_context(drafting=True, window=self.config.draft_window)) for r in self.running]
         costs = self.costs.estimate(len(infos), sum(i.pending + i.max_k for i in infos))
         plans = self.policy.plan(infos, costs, len(self.waiting))
         return {i.req_id: replace(p, k=min(p.k, i.max_k)) for i, p in zip(infos, plans, strict=True)}
@@ -214,7 +214,7 @@ class Engine:
                 tasks.append(DraftTask(r.slot, r.tokens[r.synced_draft:], plan.k, plan.min_confidence, plan.p_next,
                                        plan.accept_model, plan.worth))
                 reqs.append(r)
-                self._draft_context += r.draft_context(drafting=plan.k > 0)  # a prefill's or a catch-up's
+                self._draft_context += r.draft_context(plan.k > 0, self.config.draft_window)  # prefill or catch-up
                 r.synced_draft = r.num_tokens
         if not tasks:
             return {}

@@ -131,10 +131,12 @@ class Request:
     def remaining(self) -> int:
         return self.params.max_tokens - len(self.output_ids)
 
-    def draft_context(self, drafting: bool) -> int:
+    def draft_context(self, drafting: bool, window: int | None = None) -> int:
         """Context tokens the draft takes in when it is next fed this sequence: all unsent tokens but the last (the
         draft's first forward), except for a sequence that drafts from a warm cache, whose unsent tokens are its
-        accepted drafts (already cached). An empty cache (never drafted, or the draft restarted) means a prefill."""
+        accepted drafts (already cached). An empty cache (never drafted, or the draft restarted) means a prefill, of at
+        most `window` tokens (EngineConfig.draft_window)."""
         if drafting and self.synced_draft > 0:
             return 0
-        return max(self.num_tokens - self.synced_draft - 1, 0)
+        lag = max(self.num_tokens - self.synced_draft - 1, 0)
+        return min(lag, window) if self.synced_draft == 0 and window is not None else lag  # a windowed prefill

@@ -8,6 +8,8 @@ tokens whose KV sit in its cache. Every call carries the committed tokens the wo
 the worker keeps the longest cached prefix that matches the committed sequence (capped so that the last
 committed token is always fed again) and feeds the rest. One rule covers rollback after a rejection,
 the draft catching up after a fully accepted step, and rebuilding an empty cache after a restart.
+A draft given a window (EngineConfig.draft_window, off by default) starts an empty cache at the last
+`window` committed tokens instead of the first: its proposals are verified, so the output stays lossless.
 
 Sampling, verification and the KLD signal run on the host: a forward's logits come back to the CPU once (a no-op
 on a CPU device), where each request's generator lives, so a seed draws the same tokens on any device.
@@ -76,8 +78,9 @@ class _Slot:
     params: SamplingParams
     gen: torch.Generator
     committed: list[int] = field(default_factory=list)
-    cached: list[int] = field(default_factory=list)  # tokens whose KV are in the cache, in order
-    matched: int = 0  # cached[:matched] == committed[:matched] is known
+    cached: list[int] = field(default_factory=list)  # committed[offset:...] whose KV are in the cache, in order
+    matched: int = 0  # cached[:matched - offset] == committed[offset:matched] is known
+    offset: int = 0  # committed tokens before the cache's first (a windowed draft skipped them)
 
 
 class _Worker:
@@ -86,9 +89,10 @@ class _Worker:
     stream = 0
     role = "worker"
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, window: int | None = None) -> None:
         self.runner = runner
         self.slots: dict[int, _Slot] = {}
+        self.window = window  # an empty cache takes in at most the last `window` tokens (the draft's; never the target)
 
     def open(self, slot: int, params: SamplingParams) -> None:
         self.runner.set_length(slot, 0)
@@ -115,13 +119,15 @@ class _Worker:
         if s is None:  # opened by the engine, unknown here: this worker was restarted and lost its caches
             raise WorkerStateLost(self.role, f"slot {slot} is not open here (the worker was restarted)")
         s.committed.extend(new_tokens)
-        limit = min(len(s.cached), len(s.committed) - 1)  # the last committed token is always fed
-        m = min(s.matched, limit)
-        while m < limit and s.cached[m] == s.committed[m]:
+        if not s.cached and self.window is not None:  # an empty cache starts at the window (RoPE is relative)
+            s.offset = s.matched = max(len(s.committed) - 1 - self.window, 0)
+        limit = min(s.offset + len(s.cached), len(s.committed) - 1)  # the last committed token is always fed
+        m = min(s.matched, limit)  # >= offset: matched starts there, and limit >= offset
+        while m < limit and s.cached[m - s.offset] == s.committed[m]:
             m += 1
-        del s.cached[m:]
+        del s.cached[m - s.offset:]
         s.matched = m
-        self.runner.set_length(slot, m)
+        self.runner.set_length(slot, m - s.offset)
         return s.committed[m:]
 
 
@@ -129,8 +135,9 @@ class DraftWorker(_Worker):
     stream = 1
     role = "draft"
 
-    def __init__(self, runner: ModelRunner, top_k: int = 64, logit_noise: float = 0.0) -> None:
-        super().__init__(runner)
+    def __init__(self, runner: ModelRunner, top_k: int = 64, logit_noise: float = 0.0,
+                 window: int | None = None) -> None:
+        super().__init__(runner, window)
         self.top_k = top_k
         self.logit_noise = logit_noise  # experiments: a deliberately weak draft (lossless all the same)
         self._noise_gen = torch.Generator().manual_seed(12345)

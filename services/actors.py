@@ -65,9 +65,10 @@ class _ModelHost:
 
 class DraftHost(_ModelHost):
     def __init__(self, source: str, dtype: str, device: str, max_batch_size: int, max_seq_len: int,
-                 num_threads: int | None = None, top_k: int = 64, quant: str = "auto") -> None:
+                 num_threads: int | None = None, top_k: int = 64, quant: str = "auto",
+                 window: int | None = None) -> None:
         super().__init__(source, dtype, device, max_batch_size, max_seq_len, num_threads, quant)
-        self.worker = DraftWorker(self.runner, top_k)
+        self.worker = DraftWorker(self.runner, top_k, window=window)  # as the engine's config, which prices it
         transport.register()  # proposals leave this process packed (services/transport.py)
 
     def open(self, slot: int, params: SamplingParams) -> None:

@@ -52,6 +52,7 @@ class ServiceConfig:
     max_sl: int = 20
     draft_top_k: int = 64
     draft_quant: str = "auto"  # the draft's weights: int8, none, or auto (int8 for bf16 on a CPU), as in-process
+    draft_window: int | None = None  # the draft takes in only a prompt's last N tokens (EngineConfig); None: off
     policy: str = DEFAULT_POLICY  # the initial policy; a user_config replaces it live
     num_threads: int | None = None  # torch threads in each model actor; None: the machine's cores
     draft_num_cpus: float = 1.0
@@ -125,6 +126,7 @@ class ServiceConfig:
     def engine_config(self) -> EngineConfig:
         return EngineConfig(max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len, max_sl=self.max_sl,
                             draft_top_k=self.draft_top_k, dtype=self.dtype, draft_quant=self.draft_quant,
+                            draft_window=self.draft_window,
                             device="cpu" if self.device == "auto" else self.device, num_threads=self.num_threads,
                             worker_wait_s=self.worker_wait_s)
 

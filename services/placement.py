@@ -76,7 +76,7 @@ def start_actors(cfg: ServiceConfig, policy: PolicyConfig) -> Actors:
     if cfg.draft is not None:
         draft = ray.remote(DraftHost).options(
             **_resources(cfg.draft_num_cpus, cfg.draft_num_gpus, restarts, names["draft"], env)).remote(
-            cfg.draft, top_k=cfg.draft_top_k, quant=cfg.draft_quant, **common)
+            cfg.draft, top_k=cfg.draft_top_k, quant=cfg.draft_quant, window=cfg.draft_window, **common)
     else:
         del names["draft"]
     controller = ray.remote(Controller).options(

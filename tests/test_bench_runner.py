@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 from pathlib import Path
@@ -157,6 +158,27 @@ def test_length_spread_outside_the_grid_is_a_clear_error(tmp_path, capsys) -> No
     for mode in (["--simulate"], ["--url", "http://127.0.0.1:9"]):
         rc = cli.main(["--tiny", *mode, "--length-spread", "0.5", "--results-dir", str(tmp_path), "--no-report"])
         assert rc == 2 and "--length-spread runs the in-process grid only" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_draft_window_reaches_the_grid_engine_and_nothing_else(tmp_path, capsys) -> None:
+    """--draft-window N: the engine's config and its draft worker get N and the run's backend records it; off by
+    default; --simulate and --url refuse it, and a bad N is an error naming draft_window before anything runs."""
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    windowed = cli._backend(parser.parse_args(["--tiny", "--draft-window", "6"]), 2)
+    assert windowed.engine.config.draft_window == windowed.engine.draft.window == 6
+    assert windowed.description["draft_window"] == 6
+    default = cli._backend(parser.parse_args(["--tiny"]), 2)
+    assert default.engine.config.draft_window is None and default.engine.draft.window is None
+    assert "draft_window" not in default.description
+    for mode in (["--simulate"], ["--url", "http://127.0.0.1:9"]):
+        rc = cli.main(["--tiny", *mode, "--draft-window", "6", "--results-dir", str(tmp_path), "--no-report"])
+        assert rc == 2 and "--draft-window runs the in-process grid only" in capsys.readouterr().err
+    for bad in ("0", "-4"):
+        rc = cli.main(["--tiny", "--draft-window", bad, "--results-dir", str(tmp_path), "--no-report"])
+        err = capsys.readouterr().err
+        assert rc == 2 and "draft_window must be None (off) or an integer >= 1" in err and "Traceback" not in err
     assert not any(tmp_path.iterdir())
 
 

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from dsde_core.config import SamplingParams, SpeculationParams
+from dsde_core.config import EngineConfig, SamplingParams, SpeculationParams
 from dsde_core.errors import ConfigError
 from dsde_core.policies import Plan, StaticPolicy
 from dsde_core.workers import DraftTask, DraftWorker
@@ -45,6 +45,41 @@ def test_greedy_speculation_is_lossless(policy: str, reference: list[list[int]])
     drafted = sum(r.stats.drafted for r in reqs)
     accepted = sum(r.stats.accepted for r in reqs)
     assert 0 < accepted < drafted  # both the accept and the reject paths ran
+
+
+@pytest.mark.parametrize("policy", ["static:3", "dsde"])
+def test_a_windowed_draft_is_lossless_and_caches_only_its_window(policy: str, reference: list[list[int]]) -> None:
+    """The draft takes in at most draft_window tokens of a prompt (its cache starts there, RoPE being relative): the
+    output is the target's all the same, and the draft's cache holds the window plus what came after it."""
+    engine = tiny_engine(policy, batch=4, draft_window=6)
+    draft_runner = engine.draft.runner
+    longest = max(range(len(PROMPTS)), key=lambda i: len(PROMPTS[i]))
+    req = engine.add_request(PROMPTS[longest], SamplingParams(max_tokens=MAX_TOKENS[longest]))
+    while req.synced_draft == 0 and not req.finished:
+        engine.step()
+    # the window, the last committed token, the drafts
+    n = len(PROMPTS[longest])
+    assert n > 20 and draft_runner.length(req.slot) <= 6 + 1 + engine.config.max_sl < n
+    engine.run()
+    assert req.output_ids == reference[longest]
+    reqs = _run(engine, PROMPTS, MAX_TOKENS)
+    assert [r.output_ids for r in reqs] == reference
+    assert sum(r.stats.drafted for r in reqs) > 0
+
+
+def test_the_draft_window_is_off_by_default_and_refuses_bad_values() -> None:
+    """Off unless asked for: the draft's cache starts at the prompt's first token, as without the option; a window
+    that is not a positive integer is refused by name."""
+    engine = tiny_engine("static:3", batch=1)
+    assert EngineConfig().draft_window is None and engine.config.draft_window is None and engine.draft.window is None
+    req = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=8))
+    while req.synced_draft == 0 and not req.finished:
+        engine.step()
+    slot = engine.draft.slots[req.slot]
+    assert slot.offset == 0 and slot.cached[:len(PROMPTS[0]) - 1] == PROMPTS[0][:-1]
+    for bad in (0, -1, 2.5, "256", True):
+        with pytest.raises(ConfigError, match="draft_window"):
+            EngineConfig(draft_window=bad)
 
 
 def test_requests_joining_mid_batch_are_lossless(reference: list[list[int]]) -> None:

@@ -31,9 +31,27 @@ def test_service_config_defaults_and_errors() -> None:
     for bad, word in [({"max_batch_size": 0}, "max_batch_size"), ({"dtype": "int8"}, "dtype"),
                       ({"policy": "bogus"}, "bogus"), ({"target_num_gpus": -1}, "target_num_gpus"),
                       ({"device": "tpu"}, "device"), ({"nonsense": 1}, "nonsense"),
-                      ({"admit_wait_s": -0.1}, "admit_wait_s"), ({"admit_wait_s": "soon"}, "admit_wait_s")]:
+                      ({"admit_wait_s": -0.1}, "admit_wait_s"), ({"admit_wait_s": "soon"}, "admit_wait_s"),
+                      ({"draft_window": 0}, "draft_window"), ({"draft_window": -1}, "draft_window")]:
         with pytest.raises(ConfigError, match=word):
             ServiceConfig.from_args(bad)
+
+
+def test_draft_window_reaches_the_engine_config_and_the_draft_host(save_tiny_model) -> None:
+    """Off by default; an app arg draft_window reaches the ingress's engine (which prices the draft's prefill with it)
+    and the DraftHost's worker (which windows its cache) alike."""
+    import torch
+
+    from services.actors import DraftHost
+
+    assert ServiceConfig().draft_window is None and ServiceConfig().engine_config().draft_window is None
+    cfg = ServiceConfig.from_args({"draft_window": 6})
+    assert cfg.engine_config().draft_window == 6
+    host = DraftHost(str(save_tiny_model("draft")), "float32", "cpu", 2, 64, num_threads=torch.get_num_threads(),
+                     window=cfg.draft_window)
+    assert host.worker.window == 6
+    assert DraftHost(str(save_tiny_model("plain")), "float32", "cpu", 2, 64,
+                     num_threads=torch.get_num_threads()).worker.window is None
 
 
 def test_policy_config_builds_policies_with_params_and_cap() -> None:
