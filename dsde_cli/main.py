@@ -27,6 +27,8 @@ def _add_serve(sub: Any) -> None:
     s.add_argument("--device", default="auto", help="auto (cuda when an actor has a GPU), cpu or cuda[:N]")
     s.add_argument("--max-batch-size", type=int, default=8, help="KV slots: sequences decoded together")
     s.add_argument("--max-seq-len", type=int, default=2048, help="context window per sequence")
+    s.add_argument("--draft-window", type=int, default=None, metavar="N",
+                   help="the draft takes in only the last N tokens of a prompt (README, Draft window; default: off)")
     s.add_argument("--threads", type=int, default=None, help="torch threads per model actor (default: all cores)")
     s.add_argument("--num-gpus", type=float, default=0.0, help="GPUs for each model actor (default 0)")
     s.add_argument("--host", default="127.0.0.1")
@@ -57,6 +59,8 @@ def _serve(args: argparse.Namespace) -> int:
                 "request_timeout_s": args.request_timeout}
     if args.api_key:
         app_args["api_key"] = args.api_key
+    if args.draft_window is not None:
+        app_args["draft_window"] = args.draft_window
     opts = LocalServe(app_args, host=args.host, port=args.port, num_cpus=args.num_cpus,
                       metrics_port=args.metrics_port or None, worker_niceness=args.worker_niceness)
     return serve_forever(opts, log=lambda msg: print(msg, flush=True))

@@ -193,6 +193,8 @@ def test_dsde_serve_rejects_bad_arguments_before_starting_ray(capsys: pytest.Cap
     assert "bogus" in capsys.readouterr().err
     assert main(["serve", "--max-batch-size", "0"]) == 2
     assert "max_batch_size" in capsys.readouterr().err
+    assert main(["serve", "--draft-window", "0"]) == 2
+    assert "draft_window" in capsys.readouterr().err
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
