@@ -159,8 +159,7 @@ def tiny_backend(max_batch: int = 4, max_seq_len: int = 512, max_sl: int = 20, n
     config = EngineConfig(max_batch_size=max_batch, max_seq_len=max_seq_len, max_sl=max_sl, dtype="float32",
                           draft_window=draft_window)
     engine = Engine(TargetWorker(ModelRunner(target, max_batch, max_seq_len)),
-                    DraftWorker(ModelRunner(draft, max_batch, max_seq_len), config.draft_top_k,
-                                config.draft_logit_noise, config.draft_window),
+                    DraftWorker.from_config(ModelRunner(draft, max_batch, max_seq_len), config),
                     make_policy("off"), _IdTokenizer(), config, vocab_size=TINY_VOCAB)
     desc = {"draft": f"tiny-random(noise={noise})", "target": "tiny-random", "dtype": "float32", "max_sl": max_sl,
             "max_seq_len": max_seq_len}

@@ -66,7 +66,7 @@ class SpeculativeLLM:
         draft_worker = None
         if draft is not None:
             draft_runner = ModelRunner(draft.model, config.max_batch_size, config.max_seq_len)
-            draft_worker = DraftWorker(draft_runner, config.draft_top_k, config.draft_logit_noise, config.draft_window)
+            draft_worker = DraftWorker.from_config(draft_runner, config)
         self.engine = Engine(
             TargetWorker(target_runner), draft_worker, _policy(policy), target.tokenizer, config,
             eos_ids=eos_token_ids(target), vocab_size=target_runner.vocab_size,

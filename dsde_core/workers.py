@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsde_core.config import SamplingParams
+from dsde_core.config import EngineConfig, SamplingParams
 from dsde_core.errors import WorkerStateLost
 from dsde_core.models.runner import ModelRunner
 from dsde_core.policies.adaedl import entropy_confidence, should_stop
@@ -141,6 +141,11 @@ class DraftWorker(_Worker):
         self.top_k = top_k
         self.logit_noise = logit_noise  # experiments: a deliberately weak draft (lossless all the same)
         self._noise_gen = torch.Generator().manual_seed(12345)
+
+    @classmethod
+    def from_config(cls, runner: ModelRunner, config: EngineConfig) -> DraftWorker:
+        """The draft worker an engine of `config` prices: its top-K, logit noise and window."""
+        return cls(runner, config.draft_top_k, config.draft_logit_noise, config.draft_window)
 
     @torch.inference_mode()
     def propose(self, tasks: list[DraftTask], stop: DraftStop | None = None) -> list[Proposal]:

@@ -54,9 +54,7 @@ def tiny_engine(policy: str | SpeculationPolicy = "dsde", batch: int = 4, max_se
                 noise: float = 0.03, eos: tuple[int, ...] = (), with_draft: bool = True, **cfg) -> Engine:
     target, draft = tiny_pair(noise)
     config = EngineConfig(max_batch_size=batch, max_seq_len=max_seq_len, dtype="float32", device=DEVICE, **cfg)
-    draft_worker = (DraftWorker(ModelRunner(draft, batch, max_seq_len), config.draft_top_k, config.draft_logit_noise,
-                                config.draft_window)
-                    if with_draft else None)
+    draft_worker = DraftWorker.from_config(ModelRunner(draft, batch, max_seq_len), config) if with_draft else None
     pol = make_policy(policy) if isinstance(policy, str) else policy
     return Engine(TargetWorker(ModelRunner(target, batch, max_seq_len)), draft_worker, pol, IdTokenizer(),
                   config, eos_ids=eos, vocab_size=VOCAB)
