@@ -9,6 +9,7 @@ through their interfaces, so each may be a local object or a proxy to a Ray acto
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -24,6 +25,8 @@ from dsde_core.policies import Plan, SeqInfo, SpeculationPolicy, StepFeedback
 from dsde_core.recovery import ROLES, WorkerHealth, is_available
 from dsde_core.request import Request, RequestOutput
 from dsde_core.workers import DraftTask, Proposal, Verdict, VerifyTask
+
+log = logging.getLogger(__name__)
 
 
 class DraftAPI(Protocol):
@@ -149,7 +152,7 @@ class Engine:
             try:
                 self.policy.observe([self._feedback(r, plans[r.req_id], proposals.get(r.req_id), v)
                                      for r, v in zip(self.running, verdicts, strict=True)])
-            except WorkerUnavailable as e:
+            except Exception as e:  # WorkerUnavailable, or a fault: planned target-only until it is back
                 self._failed("policy", e)
         ks = [len(v.kld) for v in verdicts]  # tokens proposed per sequence, 0 included
         emitted = [self._commit(r, v) for r, v in zip(self.running, verdicts, strict=True)]
@@ -222,8 +225,8 @@ class Engine:
         stop = next((p.stop for p in plans.values() if p.stop is not None), None)  # one rule for the batch
         try:
             proposals = self.draft.propose(tasks, stop) if stop is not None else self.draft.propose(tasks)
-        except WorkerUnavailable as e:  # this step and the next ones go on target-only until the draft is back
-            self._failed("draft", e)
+        except Exception as e:  # WorkerUnavailable, or a fault: this step and the next ones go on target-only until
+            self._failed("draft", e)  # the draft is back
             return {}
         return {r.req_id: p for r, p in zip(reqs, proposals, strict=True) if p.tokens}
 
@@ -334,7 +337,7 @@ class Engine:
         if not self.health["policy"].down:
             try:
                 return self._plan()
-            except WorkerUnavailable as e:
+            except Exception as e:  # WorkerUnavailable, or a fault
                 self._failed("policy", e)
         return {r.req_id: Plan(0) for r in self.running}
 
@@ -343,7 +346,7 @@ class Engine:
             return  # opened by _recover when the worker is back
         try:
             worker.open(r.slot, r.params)
-        except WorkerUnavailable as e:
+        except self._survivable(role) as e:
             self._failed(role, e)
 
     def _release(self, role: str, party: Any, key: int | str) -> None:
@@ -353,13 +356,25 @@ class Engine:
             try:
                 party.release(key)
                 return
-            except WorkerUnavailable as e:
+            except self._survivable(role) as e:
                 self._failed(role, e)
         h.pending.add(key)
 
+    @staticmethod
+    def _survivable(role: str) -> type[Exception]:
+        """What a call to `role` may raise without failing requests (dsde_core.recovery): the target's
+        WorkerUnavailable; anything the draft or the policy raises (without them the engine decodes target-only)."""
+        return WorkerUnavailable if role == "target" else Exception
+
     def _failed(self, role: str, error: Exception) -> None:
-        """A call to `role` raised WorkerUnavailable: go on without it; its state is rebuilt when it is back."""
-        self.health[role].mark_down(time.perf_counter(), str(error))
+        """A call to `role` raised WorkerUnavailable, or a fault (any other error) in the draft or the policy: go on
+        without it; its state is rebuilt when it is back (a faulty one is tried again after a doubling wait)."""
+        h, now = self.health[role], time.perf_counter()
+        if isinstance(error, WorkerUnavailable):
+            h.mark_down(now, str(error))
+        else:
+            log.error("the %s raised an error; going on without it (target-only)", role, exc_info=error)
+            h.fault(now, error, self.config.worker_probe_s)
         for r in self.running:  # what it was told is lost: resync from scratch (prompt + committed tokens)
             if role == "draft":
                 r.synced_draft = 0
@@ -388,10 +403,13 @@ class Engine:
                             r.synced_draft = 0
                         else:
                             r.synced_target = 0
-            except WorkerUnavailable as e:
-                h.last_error = str(e)
+            except self._survivable(role) as e:
+                if isinstance(e, WorkerUnavailable):
+                    h.last_error = str(e)
+                else:
+                    h.fault(now, e, self.config.worker_probe_s)
                 continue
-            h.mark_up()
+            h.mark_up(now)
             for hook in self.recovery_hooks:
                 hook(role)
         target = self.health["target"]

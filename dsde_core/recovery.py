@@ -13,6 +13,14 @@ where it can and brings it back when it answers again (Engine._recover):
 - policy down: every sequence is planned k = 0 (decoding never stops); once it answers, its per-request state
                is rebuilt lazily, as for a new request (a restarted DSDE policy warms up again).
 
+A draft or policy that raises any other error (a bug, an out-of-memory, a bad state: it still answers, one call
+failed) is a fault, handled the same way: speculation is an optimisation, and without it the engine decodes
+target-only, losslessly, so no request fails for it. Where WorkerUnavailable is probed every worker_probe_s, a
+faulty party sits out worker_probe_s * 2^faults (at most MAX_FAULT_WAIT_S) before it is tried again: a fault that
+repeats on every call would otherwise cost a resync of every draft cache each time. A fault after the party had been
+up for MAX_FAULT_WAIT_S starts the count anew. The target's faults still fail the step's requests: it alone produces
+the tokens, and a retry of a deterministic fault would only delay the error by worker_wait_s.
+
 Releases that cannot reach a party that is down are deferred and sent when it is back.
 """
 
@@ -22,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ROLES = ("target", "draft", "policy")
+MAX_FAULT_WAIT_S = 60.0  # the longest a faulty draft or policy sits out before it is tried again
 
 
 @dataclass
@@ -31,6 +40,8 @@ class WorkerHealth:
     last_error: str = ""
     failures: int = 0  # times it was marked down
     recoveries: int = 0  # times it came back
+    faults: int = 0  # errors it raised in a row (not WorkerUnavailable): each doubles its wait before the next try
+    up_since: float = 0.0
     next_probe: float = 0.0
     pending: set[Any] = field(default_factory=set)  # releases deferred while down: slots, or req_ids for the policy
 
@@ -45,14 +56,30 @@ class WorkerHealth:
             self.next_probe = now
         self.last_error = error
 
-    def mark_up(self) -> None:
+    def fault(self, now: float, error: BaseException, probe_s: float) -> None:
+        """It raised `error` (it answers; a call failed): down, and tried again after probe_s * 2^faults."""
+        if not self.down and now - self.up_since > MAX_FAULT_WAIT_S:  # after a long healthy run: the count starts anew
+            self.faults = 0
+        self.faults += 1
+        self.mark_down(now, describe(error))
+        self.next_probe = now + min(probe_s * 2 ** self.faults, MAX_FAULT_WAIT_S)
+
+    def mark_up(self, now: float) -> None:
         self.down_since = None
+        self.up_since = now
         self.recoveries += 1
         self.pending.clear()
 
     def as_dict(self) -> dict[str, Any]:
-        return {"up": not self.down, "failures": self.failures, "recoveries": self.recoveries,
+        return {"up": not self.down, "failures": self.failures, "recoveries": self.recoveries, "faults": self.faults,
                 "last_error": self.last_error or None, "deferred_releases": len(self.pending)}
+
+
+def describe(error: BaseException) -> str:
+    """One line for an error: its type and the last line of its text (a remote error's text is its traceback, whose
+    last line is the original error)."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[-1].strip()}" if lines else type(error).__name__
 
 
 def is_available(party: Any) -> bool:

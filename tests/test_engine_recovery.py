@@ -8,6 +8,7 @@ request with a clear error."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +20,7 @@ from dsde_core.engine import Engine
 from dsde_core.errors import WorkerUnavailable
 from dsde_core.models.runner import ModelRunner
 from dsde_core.policies import make_policy
+from dsde_core.recovery import MAX_FAULT_WAIT_S, WorkerHealth
 from dsde_core.request import RequestOutput
 from dsde_core.workers import DraftWorker, TargetWorker
 from tests.tiny import IdTokenizer, random_prompts, tiny_engine, tiny_pair
@@ -30,7 +32,9 @@ MAX_TOKENS = [20 + 5 * i for i in range(len(PROMPTS))]  # 20..55
 
 class Flaky:
     """A worker (or policy) that can die and restart. Dead: every call raises WorkerUnavailable and available()
-    is False. restart(): a fresh inner object (empty caches, no slots, no per-request state)."""
+    is False. restart(): a fresh inner object (empty caches, no slots, no per-request state). It can also fault:
+    raise another error (`error`) from one call (`fault_at`) or from every call of a method (`faulty`) while it
+    lives on, state and all."""
 
     def __init__(self, role: str, factory: Callable[[], Any]) -> None:
         self.role, self.factory = role, factory
@@ -39,6 +43,9 @@ class Flaky:
         self.calls: dict[str, int] = {}
         self.kill_at: tuple[str, int] | None = None  # die on the n-th call of a method (1-based)
         self.restart_after_probes: int | None = None  # come back after this many available() calls
+        self.fault_at: tuple[str, int] | None = None  # raise `error` from the n-th call of a method (1-based)
+        self.faulty: str | None = None  # raise `error` from every call of this method
+        self.error: Callable[[str], Exception] = lambda name: RuntimeError(f"{name}: an illegal memory access")
         self.probes = 0
         self.restarts = 0
 
@@ -69,6 +76,8 @@ class Flaky:
                 self.kill()
             if self.dead:
                 raise WorkerUnavailable(self.role, f"{name}: the actor died")
+            if self.fault_at == (name, self.calls[name]) or self.faulty == name:
+                raise self.error(name)
             return getattr(self.inner, name)(*args, **kwargs)
 
         return call
@@ -292,3 +301,81 @@ def test_state_reports_counts_and_health() -> None:
     engine.step()
     s = engine.state()
     assert not s["workers"]["draft"]["up"] and "died" in s["workers"]["draft"]["last_error"]
+
+
+# ---- faults: the draft or the policy raises an error and lives on ------------------------------------------------
+def _drafted(reqs: list[Any]) -> int:
+    return sum(r.stats.drafted for r in reqs)
+
+
+@pytest.mark.parametrize("when", [("propose", 4), ("open", 3), ("release", 2)])
+def test_a_draft_fault_continues_target_only_then_speculation_resumes(reference: list[list[int]],
+                                                                       when: tuple[str, int]) -> None:
+    engine, parties = _engine()
+    draft = parties["draft"]
+    draft.fault_at = when
+    emitted: dict[str, list[int]] = {}
+    reqs = _add_all(engine, emitted)
+    drafted_at_fault = None
+    for _ in range(2000):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+        if drafted_at_fault is None and engine.health["draft"].failures:
+            drafted_at_fault = _drafted(reqs)
+    assert [r.output_ids for r in reqs] == reference  # no request failed, and the output is the target's
+    assert [emitted[r.req_id] for r in reqs] == reference
+    h = engine.health["draft"]
+    assert h.failures == h.recoveries == h.faults == 1 and not h.down and draft.restarts == 0
+    assert h.last_error == f"RuntimeError: {when[0]}: an illegal memory access"
+    assert drafted_at_fault is not None and _drafted(reqs) > drafted_at_fault  # the same worker drafts again
+    _assert_all_freed(engine, parties)
+
+
+@pytest.mark.parametrize("when", [("plan", 5), ("observe", 5), ("release", 1)])
+def test_a_policy_fault_plans_target_only_and_the_policy_comes_back(reference: list[list[int]],
+                                                                    when: tuple[str, int]) -> None:
+    engine, parties = _engine("dsde")
+    parties["policy"].fault_at = when
+    reqs = _add_all(engine, {})
+    _run_bounded(engine)
+    assert [r.output_ids for r in reqs] == reference
+    h = engine.health["policy"]
+    assert h.failures == h.recoveries == h.faults == 1 and not h.down and parties["policy"].restarts == 0
+    assert _drafted(reqs) > 0
+    _assert_all_freed(engine, parties)
+
+
+def test_a_draft_that_always_faults_is_tried_less_and_less_often(reference: list[list[int]]) -> None:
+    engine, parties = _engine()
+    draft = parties["draft"]
+    draft.faulty = "propose"
+    reqs = _add_all(engine, {})
+    t0, steps = time.perf_counter(), 0
+    while engine.has_unfinished() and steps < 2000:
+        engine.step()
+        steps += 1
+    took = time.perf_counter() - t0
+    assert [r.output_ids for r in reqs] == reference and _drafted(reqs) == 0
+    tries, h = draft.calls["propose"], engine.health["draft"]
+    assert h.failures == h.faults == tries >= 2
+    # the n-th fault waits probe_s * 2^n before the next try, so n tries take at least probe_s * (2^n - 2)
+    assert tries <= math.log2(took / engine.config.worker_probe_s + 2) + 1 < steps / 4
+
+
+def test_a_fault_doubles_the_wait_up_to_its_cap_and_a_long_healthy_run_restarts_the_count() -> None:
+    h = WorkerHealth("draft")
+    h.fault(100.0, ValueError("bad"), 0.2)
+    assert h.down and h.failures == h.faults == 1 and h.next_probe == pytest.approx(100.4)
+    assert h.last_error == "ValueError: bad"
+    h.fault(100.4, ValueError("bad"), 0.2)  # the retry faulted too: still down, one failure, twice the wait
+    assert h.failures == 1 and h.faults == 2 and h.next_probe == pytest.approx(101.2)
+    for _ in range(20):
+        h.fault(200.0, ValueError("bad"), 0.2)
+    assert h.next_probe == pytest.approx(200.0 + MAX_FAULT_WAIT_S)
+    h.mark_up(300.0)
+    h.fault(300.0 + MAX_FAULT_WAIT_S / 2, ValueError("bad"), 0.2)  # soon after coming back: the count goes on
+    assert h.failures == 2 and h.faults == 23
+    h.mark_up(400.0)
+    h.fault(401.0 + MAX_FAULT_WAIT_S, ValueError("bad"), 0.2)  # after a healthy minute: it starts anew
+    assert h.faults == 1 and h.next_probe == pytest.approx(401.4 + MAX_FAULT_WAIT_S)

@@ -125,7 +125,28 @@ def test_proxies_translate_ray_failures_into_worker_unavailable() -> None:
     out = translate("draft", RayTaskError("propose", "traceback", lost).as_instanceof_cause())
     assert out is lost and out.role == "draft"
     bug = RayTaskError("verify", "traceback", ValueError("a bug")).as_instanceof_cause()
-    assert translate("target", bug) is bug  # a bug in a worker is not an outage: the engine aborts the step as before
+    assert translate("target", bug) is bug  # a bug in a worker is not an outage: a fault (the next test)
+
+
+def test_a_fault_raised_in_the_draft_actor_leaves_requests_target_only() -> None:
+    """What a propose that raised inside the draft actor looks like after services.proxies (Ray's RayTaskError,
+    re-raised as itself): a fault; the requests complete target-only and the draft is tried again."""
+    from ray.exceptions import RayTaskError
+
+    engine, parties = _engine()
+    draft: Flaky = parties["draft"]
+    draft.fault_at = ("propose", 2)
+    remote_traceback = "Traceback (most recent call last):\n  File ...\nMemoryError: out of memory\n"
+    draft.error = lambda name: RayTaskError(name, remote_traceback, MemoryError("out of memory")).as_instanceof_cause()
+    reqs = [engine.add_request([1, 2, 3, 4 + i], SamplingParams(max_tokens=24)) for i in range(4)]
+    for _ in range(1000):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert all(r.finish_reason == "length" and len(r.output_ids) == 24 for r in reqs)
+    h = engine.health["draft"]
+    assert h.faults == h.failures == h.recoveries == 1
+    assert h.last_error == "RayTaskError(MemoryError): MemoryError: out of memory"
 
 
 def test_worker_errors_survive_pickling() -> None:
