@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import traceback
 from collections.abc import AsyncIterator, Sequence
@@ -23,6 +24,8 @@ from collections.abc import AsyncIterator, Sequence
 from dsde_core.config import SamplingParams, SpeculationParams
 from dsde_core.engine import Engine
 from dsde_core.request import Request, RequestOutput
+
+log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
@@ -65,9 +68,10 @@ class AsyncEngine:
                     continue  # idle; with a worker down, an idle step still probes it (and sends deferred releases)
             try:
                 self.engine.step()
-            except Exception as e:  # a failed step ends every request in it with an error, never a hang
-                self.last_error = traceback.format_exc()
-                self.engine.abort_all(f"engine step failed: {type(e).__name__}: {e}")
+            except Exception as e:  # a failed step ends the requests in it with an error, never a hang; the
+                self.last_error = traceback.format_exc()  # waiting ones run next
+                log.error("engine step failed; its requests end with an error", exc_info=e)
+                self.engine.fail_running(f"engine step failed: {type(e).__name__}: {e}")
 
     async def generate(
         self,

@@ -303,12 +303,10 @@ class Engine:
             self._free(self.requests.pop(req_id))
         return outputs
 
-    def abort_all(self, error: str) -> list[RequestOutput]:
-        """End every waiting and running request with an error (after a failed step); free all state."""
-        with self._lock:
-            reqs = list(self.waiting) + list(self.running)
-            self.waiting.clear()
-        return [self._fail(r, error) for r in reqs]
+    def fail_running(self, error: str) -> list[RequestOutput]:
+        """End the running requests with an error after a step that raised (what it left of their state is not
+        known) and free their state; the waiting ones were not in it and run next."""
+        return [self._fail(r, error) for r in list(self.running)]
 
     def _fail(self, r: Request, error: str, error_type: str | None = None) -> RequestOutput:
         """End one request with an error and free its state (its caller has taken it off the waiting queue)."""
@@ -356,7 +354,7 @@ class Engine:
             try:
                 party.release(key)
                 return
-            except self._survivable(role) as e:
+            except Exception as e:  # a release never fails a request: deferred until the party answers again
                 self._failed(role, e)
         h.pending.add(key)
 
@@ -367,8 +365,9 @@ class Engine:
         return WorkerUnavailable if role == "target" else Exception
 
     def _failed(self, role: str, error: Exception) -> None:
-        """A call to `role` raised WorkerUnavailable, or a fault (any other error) in the draft or the policy: go on
-        without it; its state is rebuilt when it is back (a faulty one is tried again after a doubling wait)."""
+        """A call to `role` raised WorkerUnavailable, or a fault (any other error: from the draft or the policy, or
+        from a release): go on without it; its state is rebuilt when it is back (a faulty one is tried again after a
+        doubling wait)."""
         h, now = self.health[role], time.perf_counter()
         if isinstance(error, WorkerUnavailable):
             h.mark_down(now, str(error))

@@ -18,8 +18,10 @@ failed) is a fault, handled the same way: speculation is an optimisation, and wi
 target-only, losslessly, so no request fails for it. Where WorkerUnavailable is probed every worker_probe_s, a
 faulty party sits out worker_probe_s * 2^faults (at most MAX_FAULT_WAIT_S) before it is tried again: a fault that
 repeats on every call would otherwise cost a resync of every draft cache each time. A fault after the party had been
-up for MAX_FAULT_WAIT_S starts the count anew. The target's faults still fail the step's requests: it alone produces
-the tokens, and a retry of a deterministic fault would only delay the error by worker_wait_s.
+up for MAX_FAULT_WAIT_S starts the count anew. A fault in the target's step fails the requests of that step
+(AsyncEngine: Engine.fail_running; the waiting ones run next): it alone produces the tokens, and a retry of a
+deterministic fault would only delay the error by worker_wait_s. A release that raises, from any party, is deferred
+as for a lost one.
 
 Releases that cannot reach a party that is down are deferred and sent when it is back.
 """

@@ -8,6 +8,7 @@ request with a clear error."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from dsde_core.async_engine import AsyncEngine
 from dsde_core.config import EngineConfig, SamplingParams
 from dsde_core.engine import Engine
 from dsde_core.errors import WorkerUnavailable
@@ -379,3 +381,42 @@ def test_a_fault_doubles_the_wait_up_to_its_cap_and_a_long_healthy_run_restarts_
     h.mark_up(400.0)
     h.fault(401.0 + MAX_FAULT_WAIT_S, ValueError("bad"), 0.2)  # after a healthy minute: it starts anew
     assert h.faults == 1 and h.next_probe == pytest.approx(401.4 + MAX_FAULT_WAIT_S)
+
+
+def test_a_target_fault_ends_the_running_requests_with_an_error_and_the_waiting_ones_run(
+        reference: list[list[int]]) -> None:
+    """The target alone produces tokens: a step whose verification raised ends the requests in it (what it left of
+    their state is not known); the requests still waiting were not in it and complete exactly."""
+    engine, parties = _engine("dsde")
+    parties["target"].fault_at = ("verify", 3)
+    aeng = AsyncEngine(engine).start()
+    try:
+        async def one(prompt: list[int], max_tokens: int) -> list[RequestOutput]:
+            return [o async for o in aeng.generate(prompt, SamplingParams(max_tokens=max_tokens))]
+
+        async def run() -> list[list[RequestOutput]]:
+            return await asyncio.wait_for(asyncio.gather(*map(one, PROMPTS, MAX_TOKENS)), 60)
+
+        outs = asyncio.run(run())
+    finally:
+        aeng.stop()
+    failed = [i for i, o in enumerate(outs) if o[-1].finish_reason == "error"]
+    assert 1 <= len(failed) <= BATCH  # the requests of the failed step, and only those
+    for i, o in enumerate(outs):
+        if i in failed:
+            assert o[-1].error == "engine step failed: RuntimeError: verify: an illegal memory access"
+        else:
+            assert o[-1].finish_reason == "length" and [t for x in o for t in x.token_ids] == reference[i]
+    assert "RuntimeError" in aeng.last_error
+    _assert_all_freed(engine, parties)
+
+
+def test_a_target_release_that_raises_is_deferred_and_decoding_goes_on_exactly(reference: list[list[int]]) -> None:
+    engine, parties = _engine("dsde")
+    parties["target"].fault_at = ("release", 1)  # the first finished request's release
+    reqs = _add_all(engine, {})
+    _run_bounded(engine)
+    assert [r.output_ids for r in reqs] == reference
+    h = engine.health["target"]
+    assert h.failures == h.faults == h.recoveries == 1 and h.last_error.startswith("RuntimeError: release")
+    _assert_all_freed(engine, parties)
