@@ -402,11 +402,8 @@ class Engine:
                             r.synced_draft = 0
                         else:
                             r.synced_target = 0
-            except self._survivable(role) as e:
-                if isinstance(e, WorkerUnavailable):
-                    h.last_error = str(e)
-                else:
-                    h.fault(now, e, self.config.worker_probe_s)
+            except self._survivable(role) as e:  # still down (a fault: a longer wait)
+                self._failed(role, e)
                 continue
             h.mark_up(now)
             for hook in self.recovery_hooks:
