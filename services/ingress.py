@@ -285,7 +285,8 @@ class DSDEServer:
 
     def _load(self) -> tuple[int, int, int]:
         e = self.engine
-        self.metrics.on_workers({role: not h.down for role, h in e.health.items() if role != "draft" or e.draft})
+        health = {role: h for role, h in e.health.items() if role != "draft" or e.draft}
+        self.metrics.on_workers({r: not h.down for r, h in health.items()}, {r: h.failures for r, h in health.items()})
         return len(e.running), len(e.waiting), e.config.max_batch_size - len(e.free_slots)
 
     def _on_recovered(self, role: str) -> None:

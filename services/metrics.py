@@ -32,6 +32,8 @@ METRICS: list[tuple[str, str, str, tuple[str, ...], list[float] | None]] = [
     ("dsde_sl_cap", "gauge", "DSDE's batch SL cap at the last step (0 when no sequence was capped)", (), None),
     ("dsde_worker_up", "gauge", "1 while the engine reaches the worker (draft, target, policy), 0 while it is down",
      ("worker",), None),
+    ("dsde_worker_failures", "counter", "Times the engine lost a worker (draft, target, policy) or the worker raised "
+     "an error; exported from the first one on", ("worker",), None),
     ("dsde_cost_verify_seconds", "gauge", "Step-cost model: target verification of the batch with no draft tokens",
      (), None),
     ("dsde_cost_verify_per_token_seconds", "gauge", "Step-cost model: added per draft token verified", (), None),
@@ -89,6 +91,7 @@ class ServiceMetrics:
                 self.m[name] = rm.Histogram(name, desc, boundaries=buckets, tag_keys=keys)
             self.m[name].set_default_tags(self.tags)
         self._gauges: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}  # last value of each gauge series
+        self._failures: dict[str, int] = {}  # the engine's worker failures already counted
 
     def _set(self, name: str, value: float, **tags: str) -> None:
         self._gauges[name, tuple(sorted(tags.items()))] = value
@@ -134,9 +137,14 @@ class ServiceMetrics:
         self._set("dsde_num_requests_waiting", waiting)
         self._set("dsde_kv_slots_in_use", slots_in_use)
 
-    def on_workers(self, up: dict[str, bool]) -> None:
+    def on_workers(self, up: dict[str, bool], failures: dict[str, int]) -> None:
+        """Each worker's state and its failures so far (the engine's count: the counter grows by what is new; a down
+        time shorter than a scrape interval shows in the counter, not in the gauge)."""
         for role, ok in up.items():
             self._set("dsde_worker_up", 1 if ok else 0, worker=role)
+        for role, n in failures.items():
+            self._inc("dsde_worker_failures", n - self._failures.get(role, 0), worker=role)
+            self._failures[role] = max(n, self._failures.get(role, 0))
 
     def on_costs(self, costs: StepCosts) -> None:
         """The engine's online step-cost model at the current batch size (what cost-aware policies plan with)."""

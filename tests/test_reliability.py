@@ -223,12 +223,15 @@ def test_draft_killed_during_8_streams_all_complete_exactly_and_speculation_resu
     for p in PROMPTS:
         reference(p, max_tokens)  # computed before the clock starts
     before = _worker(svc, "draft")
+    failures_before = svc.metric("ray_dsde_worker_failures_total", worker="draft")
     results = _streams_with_kill(svc, "draft", PROMPTS, max_tokens)
     _assert_exact(results, PROMPTS, max_tokens, reference)
     after = wait_for(lambda: (w := _worker(svc, "draft"))["up"] and w, 60, what="the draft to be back")
     assert after["failures"] == before["failures"] + 1 and after["recoveries"] == before["recoveries"] + 1
     # speculation resumes: a request after the restart drafts, and the exported counters move again
     wait_for(lambda: svc.metric("ray_dsde_worker_up", worker="draft") == 1, 30, what="worker_up{draft} = 1")
+    wait_for(lambda: svc.metric("ray_dsde_worker_failures_total", worker="draft") == failures_before + 1, 30,
+             what="worker_failures_total{draft} + 1")
     drafts_before = svc.metric("ray_dsde_spec_decode_num_drafts_total")
     r = httpx.post(f"{svc.v1}/completions", headers=AUTH, timeout=TIMEOUT,
                    json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 60, "temperature": 0})

@@ -300,7 +300,8 @@ def test_metrics_are_exported_with_the_documented_names(tiny_app: App, cluster: 
     client.completions.create(model=MODEL, prompt="hi", max_tokens=4, extra_body={"speculation": {"enabled": False}})
     http_post(f"{tiny_app.v1}/completions", {"model": MODEL, "prompt": "hi", "n": 2})  # an error to count
     expected = {exported_name(name, kind) + ("_bucket" if kind == "histogram" else "")
-                for name, kind, *_ in METRICS}
+                for name, kind, *_ in METRICS if name != "dsde_worker_failures"}  # from a first failure on:
+    # tests/test_reliability.py checks it
 
     seen: set[str] = set()  # union over scrapes: a gauge not refreshed for two report intervals drops out
 

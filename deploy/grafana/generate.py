@@ -209,18 +209,22 @@ SERVING: list[dict[str, Any]] = [
     stat("Workers up", "Whether the ingress reaches each of its actors (1 up, 0 down: the engine falls back to "
          "target-only decoding without the draft and waits for a restarted target; README, Failure behaviour).",
          "none", f"min by (worker) (ray_dsde_worker_up{{{M}}})", w=4, legend="{{worker}}"),
+    stat("Worker failures", "Times the engine lost each actor or it raised an error, over the dashboard's range "
+         "(a down time shorter than a scrape shows here, not in Workers up; README, Failure behaviour).", "short",
+         f"sum by (worker) (increase(ray_dsde_worker_failures_total{{{M}}}[$__range]))\n"
+         f"  or 0 * min by (worker) (ray_dsde_worker_up{{{M}}})", w=4, legend="{{worker}}"),  # 0 before any
     stat("Healthy replicas", "Replicas passing Serve's health check, per deployment.", "short",
-         f"sum by (application, deployment) (ray_serve_deployment_replica_healthy{{{APP}}})", w=5,
+         f"sum by (application, deployment) (ray_serve_deployment_replica_healthy{{{APP}}})", w=4,
          legend="{{deployment}}"),
     stat("Deployment status", "Serve's deployment status (6 HEALTHY, 3 UPDATING, 4/5 scaling, 2 UNHEALTHY, "
          "1 DEPLOY_FAILED).", "none",
-         f"max by (application, deployment) (ray_serve_deployment_status{{{APP}}})", w=5,
+         f"max by (application, deployment) (ray_serve_deployment_status{{{APP}}})", w=4,
          legend="{{deployment}}"),
     stat("Replica starts", "Replicas started per deployment since the cluster started (restarts included).",
-         "short", f"sum by (application, deployment) (ray_serve_deployment_replica_starts_total{{{APP}}})", w=5,
+         "short", f"sum by (application, deployment) (ray_serve_deployment_replica_starts_total{{{APP}}})", w=4,
          legend="{{deployment}}"),
     stat("Ongoing requests", "Requests in flight at the replicas, as Serve's routers see them.", "short",
-         f"sum by (application, deployment) (ray_serve_num_ongoing_requests_at_replicas{{{APP}}})", w=5,
+         f"sum by (application, deployment) (ray_serve_num_ongoing_requests_at_replicas{{{APP}}})", w=4,
          legend="{{deployment}}"),
     timeseries("HTTP requests/s by route and status", "Requests through Serve's HTTP proxy.", "reqps",
                [target(_rate("ray_serve_num_http_requests_total", "route, status_code", APP),
