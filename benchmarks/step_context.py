@@ -24,25 +24,25 @@ from pathlib import Path
 
 import numpy as np
 
-# a step row, as dsde_bench.metrics.StepSample.row writes it
-BATCH, SUM_K, CALLS, DRAFT_S, TARGET_S, PREFILL, CTX_SUM, CTX_MAX, EMITTED = range(9)
+from dsde_bench.metrics import StepRow
 
 
-def cells(doc: dict) -> list[tuple[str, int, list[list[float]]]]:
+def cells(doc: dict) -> list[tuple[str, int, list[StepRow]]]:
     """(label, batch, step rows) per cell and policy; SystemExit for a run whose steps lack contexts."""
     out = []
     for c in doc.get("steps", []):
-        if any(len(r) <= EMITTED for r in c["steps"]):
+        if any(len(r) < len(StepRow._fields) for r in c["steps"]):
             raise SystemExit("this run's steps carry no contexts (it predates 2026-11-27): run it again")
-        out.append((f"{c['workload']} T={c['temperature']:g} b{c['batch']} {c['policy']}", c["batch"], c["steps"]))
+        out.append((f"{c['workload']} T={c['temperature']:g} b{c['batch']} {c['policy']}", c["batch"],
+                    [StepRow(*r) for r in c["steps"]]))
     return out
 
 
-def kinds(rows: list[list[float]]) -> dict[str, list[list[float]]]:
+def kinds(rows: list[StepRow]) -> dict[str, list[StepRow]]:
     """The steps that carried a prompt, the decode steps (nothing drafted) and the steps with drafts."""
-    out: dict[str, list[list[float]]] = {"prompt": [], "decode": [], "drafted": []}
+    out: dict[str, list[StepRow]] = {"prompt": [], "decode": [], "drafted": []}
     for r in rows:
-        out["prompt" if r[PREFILL] else "drafted" if r[SUM_K] else "decode"].append(r)
+        out["prompt" if r.prefill else "drafted" if r.sum_k else "decode"].append(r)
     return out
 
 
@@ -58,37 +58,37 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="+", type=Path)
     args = ap.parse_args()
-    decode_by_batch: dict[int, list[list[float]]] = {}
-    by_shape: dict[tuple[int, int, int], list[list[float]]] = {}  # (batch, n, calls) -> steps without a prompt
+    decode_by_batch: dict[int, list[StepRow]] = {}
+    by_shape: dict[tuple[int, int, int], list[StepRow]] = {}  # (batch, n, calls) -> steps without a prompt
     for path in args.files:
         for label, b, rows in cells(json.loads(path.read_text())):
             k = kinds(rows)
             for kind, steps in k.items():
-                tokens = sum(r[EMITTED] for r in steps)
-                t, d = sum(r[TARGET_S] for r in steps), sum(r[DRAFT_S] for r in steps)
+                tokens = sum(r.emitted for r in steps)
+                t, d = sum(r.target_s for r in steps), sum(r.draft_s for r in steps)
                 per_token = f"{1e3 * (t + d) / tokens:.1f}" if tokens else "-"
                 print(f"{label} {kind:8}: {len(steps):4} steps, {tokens:5.0f} tokens, target {t:5.1f} s, "
                       f"draft {d:5.1f} s, {per_token} ms a token")
-            full = [r for r in k["decode"] + k["drafted"] if r[BATCH] == b]
-            decode = [r for r in k["decode"] if r[BATCH] == b]
+            full = [r for r in k["decode"] + k["drafted"] if r.batch == b]
+            decode = [r for r in k["decode"] if r.batch == b]
             decode_by_batch.setdefault(b, []).extend(decode)
             for r in full:
-                by_shape.setdefault((b, int(r[BATCH] + r[SUM_K]), int(r[CALLS])), []).append(r)
+                by_shape.setdefault((b, int(r.batch + r.sum_k), int(r.calls)), []).append(r)
             if full:
-                print(f"{label}: mean padded keys (B x Kmax) {statistics.mean(b * r[CTX_MAX] for r in full):.0f} over "
+                print(f"{label}: mean padded keys (B x Kmax) {statistics.mean(b * r.ctx_max for r in full):.0f} over "
                       f"{len(full)} steps without a prompt")
             if decode:
-                print(f"{label}: decode steps' median {1e3 * statistics.median(r[TARGET_S] for r in decode):.1f} ms, "
-                      f"median longest context {statistics.median(r[CTX_MAX] for r in decode):.0f}")
+                print(f"{label}: decode steps' median {1e3 * statistics.median(r.target_s for r in decode):.1f} ms, "
+                      f"median longest context {statistics.median(r.ctx_max for r in decode):.0f}")
     for (b, n, calls), steps in sorted(by_shape.items()):
         print(f"batch {b}, n = {n:3} query tokens, {calls} draft calls: {len(steps):4} steps, median target "
-              f"{1e3 * statistics.median(r[TARGET_S] for r in steps):6.1f} ms, draft "
-              f"{1e3 * statistics.median(r[DRAFT_S] for r in steps):6.1f} ms")
+              f"{1e3 * statistics.median(r.target_s for r in steps):6.1f} ms, draft "
+              f"{1e3 * statistics.median(r.draft_s for r in steps):6.1f} ms")
     for b, steps in sorted(decode_by_batch.items()):
         if len(steps) < 3:
             continue
-        t = [r[TARGET_S] for r in steps]
-        lines = (("B x Kmax", [b * r[CTX_MAX] for r in steps]), ("sum of contexts", [r[CTX_SUM] for r in steps]))
+        t = [r.target_s for r in steps]
+        lines = (("B x Kmax", [b * r.ctx_max for r in steps]), ("sum of contexts", [r.ctx_sum for r in steps]))
         for name, x in lines:
             a, slope, r2 = fit(x, t)
             print(f"batch {b} decode steps: target s = {1e3 * a:.1f} ms + {1e6 * slope:.2f} us x {name} "

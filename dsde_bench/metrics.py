@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from dsde_core.request import RequestStats
 
@@ -50,6 +50,21 @@ class RequestRecord:
                    list(stats.sl), stats.e2e, stats.ttft, stats.itl, finish_reason)
 
 
+class StepRow(NamedTuple):
+    """A step as bench.json's "steps" keep it (StepSample.row): StepRow(*row). Runs before 2026-11-27 lack the
+    contexts and the tokens emitted (0 here)."""
+
+    batch: int
+    sum_k: int
+    calls: int  # draft forwards (levels)
+    draft_s: float
+    target_s: float
+    prefill: int  # 1: a request was admitted before this step
+    ctx_sum: int = 0  # committed tokens over the rows
+    ctx_max: int = 0  # the longest row's
+    emitted: int = 0
+
+
 @dataclass
 class StepSample:
     """One engine step, as the cost model and the batched-call figures need it."""
@@ -72,9 +87,7 @@ class StepSample:
         return self.batch + sum(self.ks)
 
     def row(self) -> list[float]:
-        """The step as bench.json's "steps" keep it: [batch, sum_k, draft calls, draft_s, target_s, prefill, sum of
-        the rows' contexts, the longest, tokens emitted] (fit_engine_steps, report.prefill_shares and
-        benchmarks/step_context.py read it by position)."""
+        """The step as bench.json's "steps" keep it: the fields of StepRow, in order (a list: JSON)."""
         return [self.batch, sum(self.ks), self.draft_calls, round(self.draft_s, 6), round(self.target_s, 6),
                 int(self.prefill), sum(self.contexts), max(self.contexts, default=0), self.emitted]
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dsde_bench.bound import bound_of, bound_ratios, bound_scores, pick_bound
+from dsde_bench.metrics import StepRow
 from dsde_bench.provenance import FIGURE_CODE, contains, last_change
 from dsde_bench.workloads import SOURCES
 
@@ -198,15 +199,15 @@ def timing_noise(cells: Sequence[dict[str, Any]]) -> tuple[float, str] | None:
 
 def prefill_shares(doc: dict[str, Any], policy: str = "off") -> dict[tuple[str, int], float]:
     """Per (workload, batch): the share of `policy`'s engine time (draft + target) spent in steps that carried a
-    prompt, at the lowest temperature of the run. From bench.json "steps": [batch, sum_k, calls, draft_s, target_s,
-    prefill, ...]."""
+    prompt, at the lowest temperature of the run (bench.json "steps")."""
     out: dict[tuple[str, int], float] = {}
     temps = [c["temperature"] for c in doc.get("steps", [])]
     for c in doc.get("steps", []):
         if c["policy"] != policy or c["temperature"] != min(temps):
             continue
-        total = sum(r[3] + r[4] for r in c["steps"])
-        pre = sum(r[3] + r[4] for r in c["steps"] if r[5])
+        rows = [StepRow(*r) for r in c["steps"]]
+        total = sum(r.draft_s + r.target_s for r in rows)
+        pre = sum(r.draft_s + r.target_s for r in rows if r.prefill)
         if total > 0:
             out[(c["workload"], c["batch"])] = pre / total
     return out

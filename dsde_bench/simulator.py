@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from dsde_bench.metrics import RequestRecord, StepSample, add_speedups, add_static_opt, summarize
+from dsde_bench.metrics import RequestRecord, StepRow, StepSample, add_speedups, add_static_opt, summarize
 from dsde_bench.recording import RecordingPolicy
 from dsde_bench.trace import SeqTrace, Trace
 from dsde_core.cost import StepCosts
@@ -276,8 +276,8 @@ def measure_costs(target: Any, draft: Any, context: int = 128, repeats: int = 3,
 
 
 def fit_engine_steps(rows: Sequence[Sequence[float]], beyond: CostModel | None = None) -> CostModel:
-    """A cost model from the engine's own step timings (bench.json "steps": [batch, sum_k, draft_calls, draft_s,
-    target_s, prefill, ...]); steps that carried a prompt are left out. Target: seconds against query tokens
+    """A cost model from the engine's own step timings (bench.json "steps", StepRow); steps that carried a prompt
+    are left out. Target: seconds against query tokens
     batch + sum_k; draft: seconds per draft call against the batch. The fastest step of each group is fitted: on a
     shared machine other work only ever adds time (a median still carries minutes-long bursts).
 
@@ -286,12 +286,12 @@ def fit_engine_steps(rows: Sequence[Sequence[float]], beyond: CostModel | None =
     points (the draft's are per-row decode costs at batch 1 to 4, far steeper than a prefill's per-token cost)."""
     t_groups: dict[int, list[float]] = {}
     d_groups: dict[int, list[float]] = {}
-    for batch, sum_k, calls, draft_s, target_s, prefill, *_ in rows:  # runs before 2026-11-27 lack contexts
-        if prefill:
+    for r in (StepRow(*row) for row in rows):
+        if r.prefill:
             continue
-        t_groups.setdefault(int(batch + sum_k), []).append(target_s)
-        if calls > 0:
-            d_groups.setdefault(int(batch), []).append(draft_s / calls)
+        t_groups.setdefault(int(r.batch + r.sum_k), []).append(r.target_s)
+        if r.calls > 0:
+            d_groups.setdefault(int(r.batch), []).append(r.draft_s / r.calls)
     if not t_groups or not d_groups:
         raise ConfigError("no engine steps with drafts to fit a cost model from")
     tp = [[float(n), min(v)] for n, v in sorted(t_groups.items())]
