@@ -277,9 +277,9 @@ def measure_costs(target: Any, draft: Any, context: int = 128, repeats: int = 3,
 
 def fit_engine_steps(rows: Sequence[Sequence[float]], beyond: CostModel | None = None) -> CostModel:
     """A cost model from the engine's own step timings (bench.json "steps", StepRow); steps that carried a prompt
-    are left out. Target: seconds against query tokens
-    batch + sum_k; draft: seconds per draft call against the batch. The fastest step of each group is fitted: on a
-    shared machine other work only ever adds time (a median still carries minutes-long bursts).
+    are left out. Target: seconds against query tokens batch + sum_k; draft: seconds per draft call against the
+    batch. The fastest step of each group is fitted: on a shared machine other work only ever adds time (a median
+    still carries minutes-long bursts).
 
     beyond: a measured model (measure_costs) that prices forwards larger than any the engine ran (a draft's prefill,
     a batch of 16): past its last point each table follows `beyond`'s increments, not the slope of its own last two

@@ -16,10 +16,11 @@ Errors: bad input is a 4xx with an OpenAI-style body {"error": {"message", "type
 
 Load and failures (README "Failure behaviour"): at most max_batch_size + max_queue requests are in the engine;
 more get 429 with Retry-After. A request unfinished after request_timeout_s ends with 504. A worker actor that
-dies is restarted by Ray and the engine recovers (dsde_core.recovery); a request that waited worker_wait_s for a
-target that did not come back ends with 503. drain() (SIGTERM in `dsde serve`) refuses new requests with 503
-and lets the running ones finish. With an API key (api_key / $DSDE_API_KEY) every endpoint but /health wants
-`Authorization: Bearer <key>`; bodies over max_request_bytes get 413.
+dies is restarted by Ray, and a draft or controller that raises is tried again; the engine recovers either way
+(dsde_core.recovery); a request that waited worker_wait_s for a target that did not come back ends with 503.
+drain() (SIGTERM in `dsde serve`) refuses new requests with 503 and lets the running ones finish. With an API key
+(api_key / $DSDE_API_KEY) every endpoint but /health wants `Authorization: Bearer <key>`; bodies over
+max_request_bytes get 413.
 """
 
 

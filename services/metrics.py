@@ -143,8 +143,10 @@ class ServiceMetrics:
         for role, ok in up.items():
             self._set("dsde_worker_up", 1 if ok else 0, worker=role)
         for role, n in failures.items():
-            self._inc("dsde_worker_failures", n - self._failures.get(role, 0), worker=role)
-            self._failures[role] = max(n, self._failures.get(role, 0))
+            seen = self._failures.get(role, 0)
+            if n > seen:
+                self._inc("dsde_worker_failures", n - seen, worker=role)
+                self._failures[role] = n
 
     def on_costs(self, costs: StepCosts) -> None:
         """The engine's online step-cost model at the current batch size (what cost-aware policies plan with)."""
