@@ -7,7 +7,8 @@ with deploy/prometheus/prometheus.yml and its recording rules, and Locust drivin
   carries TTFT / ITL / TPOT / E2E beside the endpoint entries.
 - Prometheus: after real requests (streamed and not, chat and completions, speculation on and off, errors), every
   PromQL expression of every panel of both Grafana dashboards, every recording rule and every template variable
-  must parse and return finite data; every scrape target of the service-discovery file is up.
+  must parse and return finite data, and no alerting rule fires; every scrape target of the service-discovery file
+  is up.
 """
 
 from __future__ import annotations
@@ -198,14 +199,16 @@ def test_every_dashboard_query_and_recording_rule_returns_data(live: Live) -> No
                for file, board in boards.items() for panel in _panels(board) for t in panel.get("targets", [])]
     assert len(queries) >= 40, len(queries)
 
-    # recording rules: loaded from the file, healthy
+    # recording and alerting rules: loaded from the file, healthy; a healthy run raises no alert
     groups = prom.api("rules")["groups"]
     rule_files = {g["file"] for g in groups}
     assert rule_files == {str(PROMETHEUS_DIR / "rules" / "dsde.rules.yml")}, rule_files
     records = yaml.safe_load((PROMETHEUS_DIR / "rules" / "dsde.rules.yml").read_text())
-    expected = {r["record"] for g in records["groups"] for r in g["rules"]}
+    expected = {r["record"] for g in records["groups"] for r in g["rules"] if "record" in r}
     loaded = {r["name"] for g in groups for r in g["rules"] if r["type"] == "recording"}
     assert loaded == expected
+    alerts = {r["name"]: r["state"] for g in groups for r in g["rules"] if r["type"] == "alerting"}
+    assert alerts == {r["alert"]: "inactive" for g in records["groups"] for r in g["rules"] if "alert" in r}, alerts
     unhealthy = [(r["name"], r["health"], r.get("lastError")) for g in groups for r in g["rules"]
                  if r["health"] != "ok"]
     assert not unhealthy, unhealthy
