@@ -5,7 +5,8 @@ engine, template functions, values coalescing and values.schema.json check as th
 - `helm lint --strict` finds no warning;
 - the RayService validates against KubeRay's CRD schema (tests/data/ray.io_rayservices.yaml.gz), made strict the way
   `kubectl apply --validate=strict` is (an unknown field is an error), and its pod templates validate as Pods;
-- the ConfigMap validates with kubernetes-validate (strict), the PodMonitor against the Prometheus Operator's models;
+- the ConfigMap validates with kubernetes-validate (strict), the PodMonitor and the PrometheusRule (the rules and
+  alerts of deploy/prometheus/rules, verbatim) against the Prometheus Operator's models;
 - the serve config is deploy/config.yaml's application; the head schedules no work; the GPU workers ask for GPUs.
 """
 
@@ -23,7 +24,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.ops_support import GRAFANA_DIR, ROOT
+from tests.ops_support import GRAFANA_DIR, PROMETHEUS_DIR, ROOT
 
 CHART = ROOT / "helm" / "dsde"
 # KubeRay's RayService CRD (ray-operator/config/crd/bases/ray.io_rayservices.yaml, commit feeaf72f of 2026-08-19,
@@ -217,6 +218,25 @@ def test_podmonitor_is_a_valid_prometheus_operator_object_that_selects_the_ray_p
     assert labelled["PodMonitor"]["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     off = render({"monitoring": {"podMonitor": {"enabled": False}, "grafanaDashboards": {"enabled": False}}})
     assert "PodMonitor" not in off and "ConfigMap" not in off
+
+
+def test_prometheusrule_carries_the_rules_and_alerts_of_deploy_prometheus(default: dict[str, Any]) -> None:
+    from cloudcoil.models.prometheus_operator.v1 import PrometheusRule
+
+    source = PROMETHEUS_DIR / "rules" / "dsde.rules.yml"
+    assert (CHART / "rules" / "dsde.rules.yml").read_text() == source.read_text(), \
+        f"the chart's copy differs: cp {source.relative_to(ROOT)} helm/dsde/rules/"
+    rule = default["PrometheusRule"]
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    model = PrometheusRule.model_validate(rule)
+    assert model.model_dump(by_alias=True, exclude_unset=True, mode="json") == rule  # no field the Operator drops
+    # the groups verbatim: the alerts' {{ $labels }} templates are Prometheus', left alone by Helm
+    assert rule["spec"]["groups"] == yaml.safe_load(source.read_text())["groups"]
+    alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r}
+    assert alerts == {"DSDEWorkerFlapping", "DSDEWorkerDown"}
+    labelled = render({"monitoring": {"prometheusRule": {"labels": {"release": "kube-prometheus-stack"}}}})
+    assert labelled["PrometheusRule"]["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert "PrometheusRule" not in render({"monitoring": {"prometheusRule": {"enabled": False}}})
 
 
 def test_dashboards_configmap_carries_both_dashboards_for_the_grafana_sidecar(default: dict[str, Any]) -> None:
