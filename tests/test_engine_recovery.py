@@ -92,7 +92,7 @@ def _engine(policy: str = "static:4", wait_s: float = 30.0, flaky: tuple[str, ..
                        worker_probe_s=0.001)
     factories: dict[str, Callable[[], Any]] = {
         "target": lambda: TargetWorker(ModelRunner(target_model, BATCH, SEQ)),
-        "draft": lambda: DraftWorker(ModelRunner(draft_model, BATCH, SEQ), cfg.draft_top_k),
+        "draft": lambda: DraftWorker.from_config(ModelRunner(draft_model, BATCH, SEQ), cfg),
         "policy": lambda: make_policy(policy),
     }
     parties = {role: Flaky(role, f) if role in flaky else f() for role, f in factories.items()}
@@ -127,6 +127,23 @@ def _run_bounded(engine: Engine, steps: int = 2000) -> None:
     raise AssertionError("the engine did not finish its requests")
 
 
+def _drafted(reqs: list[Any]) -> int:
+    return sum(r.stats.drafted for r in reqs)
+
+
+def _drafted_when(engine: Engine, reqs: list[Any], event: Callable[[], bool], steps: int = 2000) -> int | None:
+    """Run the engine until its requests finish (bounded); the tokens drafted by the end of the first step after
+    which event() holds (None: it never did)."""
+    at = None
+    for _ in range(steps):
+        if not engine.has_unfinished():
+            return at
+        engine.step()
+        if at is None and event():
+            at = _drafted(reqs)
+    raise AssertionError("the engine did not finish its requests")
+
+
 def _restart(engine: Engine, party: Flaky) -> None:
     """Restart a party and wait past the engine's next probe of it, however fast the restart was."""
     party.restart()
@@ -153,19 +170,13 @@ def test_draft_failure_continues_target_only_then_speculation_resumes(reference:
     engine.recovery_hooks.append(recovered.append)
     emitted: dict[str, list[int]] = {}
     reqs = _add_all(engine, emitted)
-    drafted_at_recovery = None
-    for _ in range(2000):
-        if not engine.has_unfinished():
-            break
-        engine.step()
-        if drafted_at_recovery is None and recovered:
-            drafted_at_recovery = sum(r.stats.drafted for r in reqs)
+    drafted_at_recovery = _drafted_when(engine, reqs, lambda: bool(recovered))
     assert [r.output_ids for r in reqs] == reference
     assert [emitted[r.req_id] for r in reqs] == reference  # streamed: nothing repeated, nothing missing
     assert draft.restarts == 1 and recovered == ["draft"]
     h = engine.health["draft"]
     assert h.failures == 1 and h.recoveries == 1 and not h.down
-    assert drafted_at_recovery is not None and sum(r.stats.drafted for r in reqs) > drafted_at_recovery  # resumed
+    assert drafted_at_recovery is not None and _drafted(reqs) > drafted_at_recovery  # resumed
     assert any(k == 0 for r in reqs for k in r.stats.sl)  # target-only steps while the draft was away
     _assert_all_freed(engine, parties)
 
@@ -254,7 +265,7 @@ def test_policy_failure_plans_target_only_and_rebuilds_its_state(reference: list
         steps_down += engine.health["policy"].down
     assert [r.output_ids for r in reqs] == reference
     assert policy.restarts == 1 and engine.health["policy"].recoveries == 1 and steps_down >= 1
-    assert sum(r.stats.drafted for r in reqs) > 0
+    assert _drafted(reqs) > 0
     _assert_all_freed(engine, parties)
 
 
@@ -306,10 +317,6 @@ def test_state_reports_counts_and_health() -> None:
 
 
 # ---- faults: the draft or the policy raises an error and lives on ------------------------------------------------
-def _drafted(reqs: list[Any]) -> int:
-    return sum(r.stats.drafted for r in reqs)
-
-
 @pytest.mark.parametrize("when", [("propose", 4), ("open", 3), ("release", 2)])
 def test_a_draft_fault_continues_target_only_then_speculation_resumes(reference: list[list[int]],
                                                                        when: tuple[str, int]) -> None:
@@ -318,13 +325,7 @@ def test_a_draft_fault_continues_target_only_then_speculation_resumes(reference:
     draft.fault_at = when
     emitted: dict[str, list[int]] = {}
     reqs = _add_all(engine, emitted)
-    drafted_at_fault = None
-    for _ in range(2000):
-        if not engine.has_unfinished():
-            break
-        engine.step()
-        if drafted_at_fault is None and engine.health["draft"].failures:
-            drafted_at_fault = _drafted(reqs)
+    drafted_at_fault = _drafted_when(engine, reqs, lambda: engine.health["draft"].failures > 0)
     assert [r.output_ids for r in reqs] == reference  # no request failed, and the output is the target's
     assert [emitted[r.req_id] for r in reqs] == reference
     h = engine.health["draft"]

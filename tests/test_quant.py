@@ -43,7 +43,7 @@ def test_speculation_with_an_int8_draft_is_lossless() -> None:
     prompts = random_prompts(6, seed=5)
 
     def run(draft_model, policy):
-        dw = DraftWorker(ModelRunner(draft_model, 3, 256), cfg.draft_top_k) if draft_model is not None else None
+        dw = DraftWorker.from_config(ModelRunner(draft_model, 3, 256), cfg) if draft_model is not None else None
         eng = Engine(TargetWorker(ModelRunner(target, 3, 256)), dw, make_policy(policy), IdTokenizer(), cfg,
                      vocab_size=VOCAB)
         reqs = [eng.add_request(p, SamplingParams(max_tokens=24)) for p in prompts]
