@@ -22,11 +22,12 @@ from dsde_core.cost import OnlineCostModel
 from dsde_core.detokenize import TextStream
 from dsde_core.errors import ConfigError, WorkerUnavailable
 from dsde_core.policies import Plan, SeqInfo, SpeculationPolicy, StepFeedback
-from dsde_core.recovery import ROLES, WorkerHealth, is_available
+from dsde_core.recovery import ROLES, WorkerHealth, describe, is_available
 from dsde_core.request import Request, RequestOutput
 from dsde_core.workers import DraftTask, Proposal, Verdict, VerifyTask
 
 log = logging.getLogger(__name__)
+TARGET_TRIES = 2  # a request ends after the target raised on it alone this many times in a row (a passing fault: once)
 
 
 class DraftAPI(Protocol):
@@ -81,6 +82,7 @@ class Engine:
         self._lock = threading.Lock()  # add_request / cancel may come from other threads
         self.health = {role: WorkerHealth(role) for role in ROLES}  # see dsde_core.recovery and _recover
         self.recovery_hooks: list[Callable[[str], None]] = []  # called with the role when a failed party is back
+        self._suspects: dict[str, int] = {}  # req_id -> target faults alone in a row; each runs alone (_target_fault)
         self._ids = itertools.count()
 
     # ---- requests in and out ------------------------------------------------------------------------
@@ -131,31 +133,36 @@ class Engine:
         t0 = time.perf_counter()
         outputs = self._apply_cancellations()  # cancelled requests are freed here, before any work
         outputs += self._recover()  # failed workers that are back get their state again; see dsde_core.recovery
-        self._admit()
+        outputs += self._admit()
         if not self.running or self.health["target"].down:
             return outputs
-        plans = self._plan_or_fallback()
-        prefill = any(r.synced_target == 0 for r in self.running)  # a prompt is fed
+        rows = self._rows()  # every running request; after a target fault, one suspect at a time
+        plans = self._plan_or_fallback(rows)
+        prefill = any(r.synced_target == 0 for r in rows)  # a prompt is fed
         t1 = time.perf_counter()
-        proposals = self._propose(plans)
+        proposals = self._propose(rows, plans)
         t2 = time.perf_counter()
-        pending = [self._pending(r) for r in self.running]
-        contexts = [r.num_tokens for r in self.running]
-        tasks = [self._verify_task(r, proposals.get(r.req_id)) for r in self.running]
+        pending = [self._pending(r) for r in rows]
+        contexts = [r.num_tokens for r in rows]
+        tasks = [self._verify_task(r, proposals.get(r.req_id)) for r in rows]
         try:
             verdicts = self.target.verify(tasks)
         except WorkerUnavailable as e:  # nothing was committed: the step is lost, the requests wait for the target
             self._failed("target", e)
             return outputs
+        except Exception as e:  # a fault: nothing was committed; only a request the target fails on alone ends
+            return outputs + self._target_fault(rows, e)
+        for r in rows:
+            self._suspects.pop(r.req_id, None)
         t3 = time.perf_counter()
         if not self.health["policy"].down:
             try:
                 self.policy.observe([self._feedback(r, plans[r.req_id], proposals.get(r.req_id), v)
-                                     for r, v in zip(self.running, verdicts, strict=True)])
+                                     for r, v in zip(rows, verdicts, strict=True)])
             except Exception as e:  # WorkerUnavailable, or a fault: planned target-only until it is back
                 self._failed("policy", e)
         ks = [len(v.kld) for v in verdicts]  # tokens proposed per sequence, 0 included
-        emitted = [self._commit(r, v) for r, v in zip(self.running, verdicts, strict=True)]
+        emitted = [self._commit(r, v) for r, v in zip(rows, verdicts, strict=True)]
         self._observe_costs(pending, proposals, t2 - t1, t3 - t2)
         self.step_log.append(StepRecord(
             batch=len(verdicts), ks=ks, emitted=sum(len(o.token_ids) for o in emitted), draft_s=t2 - t1,
@@ -165,10 +172,10 @@ class Engine:
                 self._free(self.requests.pop(out.req_id))
         return outputs + emitted
 
-    def _plan(self) -> dict[str, Plan]:
+    def _plan(self, rows: list[Request]) -> dict[str, Plan]:
         # a sequence whose draft cache is empty (it never drafted, or the draft restarted) prefills it when it drafts
         infos = [SeqInfo(r.req_id, r.params.temperature, self._max_k(r), self._pending(r), r.remaining(),
-                         r.draft_context(drafting=True, window=self.config.draft_window)) for r in self.running]
+                         r.draft_context(drafting=True, window=self.config.draft_window)) for r in rows]
         costs = self.costs.estimate(len(infos), sum(i.pending + i.max_k for i in infos))
         plans = self.policy.plan(infos, costs, len(self.waiting))
         return {i.req_id: replace(p, k=min(p.k, i.max_k)) for i, p in zip(infos, plans, strict=True)}
@@ -198,13 +205,13 @@ class Engine:
         # a step emits up to k + 1 tokens; never draft past max_tokens
         return max(0, min(self.config.max_sl, per_request, r.remaining() - 1))
 
-    def _propose(self, plans: dict[str, Plan]) -> dict[str, Proposal]:
+    def _propose(self, rows: list[Request], plans: dict[str, Plan]) -> dict[str, Proposal]:
         self._draft_rows = self._draft_context = 0  # rows and context tokens of the draft call (for the cost model)
         if self.draft is None or self.health["draft"].down:
             return {}
         tasks, reqs = [], []
         drafting = any(p.k > 0 for p in plans.values())
-        for r in self.running:
+        for r in rows:
             plan = plans[r.req_id]
             # A sequence with k = 0 still feeds its committed tokens to the draft when the batch drafts anyway
             # (its rows ride in the first draft forward) or when it lags by draft_max_lag tokens: its draft cache
@@ -277,15 +284,18 @@ class Engine:
         return out
 
     # ---- admission and release ------------------------------------------------------------------------
-    def _admit(self) -> None:
+    def _admit(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
         while self.waiting and self.free_slots and not self.health["target"].down:
             with self._lock:
                 r = self.waiting.popleft()
             r.slot = self.free_slots.pop()
             self.running.append(r)  # running before its slot opens: a failed open is redone by _recover
-            self._open("target", self.target, r)
-            if self.draft is not None:
+            failed = self._reopen_target(r)
+            outputs += failed
+            if not failed and self.draft is not None:
                 self._open("draft", self.draft, r)
+        return outputs
 
     def _apply_cancellations(self) -> list[RequestOutput]:
         with self._lock:
@@ -321,6 +331,7 @@ class Engine:
         """Release the slot and every piece of per-request state: engine, both workers, policy."""
         if r in self.running:
             self.running.remove(r)
+        self._suspects.pop(r.req_id, None)
         if r.slot is not None:
             self._release("target", self.target, r.slot)
             if self.draft is not None:
@@ -330,14 +341,48 @@ class Engine:
         self._release("policy", self.policy, r.req_id)
 
     # ---- failure and recovery (dsde_core.recovery) -------------------------------------------------------
-    def _plan_or_fallback(self) -> dict[str, Plan]:
+    def _plan_or_fallback(self, rows: list[Request]) -> dict[str, Plan]:
         """The policy's plans; k = 0 for every sequence (a target-only step) while the policy host is down."""
         if not self.health["policy"].down:
             try:
-                return self._plan()
+                return self._plan(rows)
             except Exception as e:  # WorkerUnavailable, or a fault
                 self._failed("policy", e)
-        return {r.req_id: Plan(0) for r in self.running}
+        return {r.req_id: Plan(0) for r in rows}
+
+    def _rows(self) -> list[Request]:
+        """This step's batch: every running request; while a batch the target raised on has suspects, one of them
+        alone (_target_fault)."""
+        return next(([r] for r in self.running if r.req_id in self._suspects), list(self.running))
+
+    def _target_fault(self, rows: list[Request], error: Exception) -> list[RequestOutput]:
+        """The target raised `error` on `rows` (a fault: it still answers; nothing was committed). Each becomes a
+        suspect that runs alone until it passes a step; one the target raised on alone TARGET_TRIES times in a row
+        ends with the error. So a fault one request causes ends only that request, and a passing one (an
+        out-of-memory, say) none. What the call left of their target state is not known: each slot is opened afresh
+        and re-prefilled from prompt + committed tokens."""
+        self.health["target"].count_fault(error)
+        log.error("the target raised an error on %d request(s); each is tried alone, and one it fails on alone %d "
+                  "times ends with the error", len(rows), TARGET_TRIES, exc_info=error)
+        outputs: list[RequestOutput] = []
+        for r in rows:
+            tries = self._suspects.get(r.req_id, 0) + int(len(rows) == 1)  # faults alone, in a row
+            if tries >= TARGET_TRIES:
+                outputs.append(self._fail(r, f"the target failed on this request: {describe(error)}"))
+            else:
+                self._suspects[r.req_id] = tries
+                outputs += self._reopen_target(r)
+        return outputs
+
+    def _reopen_target(self, r: Request) -> list[RequestOutput]:
+        """Open r's target slot with an empty cache (its next step feeds prompt + committed tokens); a fault doing so
+        is r's (_target_fault)."""
+        r.synced_target = 0
+        try:
+            self._open("target", self.target, r)
+        except Exception as e:  # not WorkerUnavailable (_open marks the target down for that)
+            return self._target_fault([r], e)
+        return []
 
     def _open(self, role: str, worker: DraftAPI | TargetAPI, r: Request) -> None:
         if self.health[role].down:
@@ -402,7 +447,7 @@ class Engine:
                             r.synced_draft = 0
                         else:
                             r.synced_target = 0
-            except self._survivable(role) as e:  # still down (a fault: a longer wait)
+            except Exception as e:  # still down (a fault, even the target's: a longer wait)
                 self._failed(role, e)
                 continue
             h.mark_up(now)

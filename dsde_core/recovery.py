@@ -8,7 +8,8 @@ where it can and brings it back when it answers again (Engine._recover):
                sync feeds the whole sequence to an empty cache), and speculation resumes.
 - target down: no step runs; once the target answers, each running slot is opened again and re-prefilled from
                prompt + committed tokens, and decoding continues where it stopped (nothing is repeated or
-               lost: the committed tokens are the engine's). A request that waits longer than
+               lost: the committed tokens are the engine's). One that raises while it is brought back stays
+               down and is tried again after a fault's wait (below). A request that waits longer than
                EngineConfig.worker_wait_s for it ends with an error (RequestOutput.error_type "unavailable").
 - policy down: every sequence is planned k = 0 (decoding never stops); once it answers, its per-request state
                is rebuilt lazily, as for a new request (a restarted DSDE policy warms up again).
@@ -18,10 +19,17 @@ failed) is a fault, handled the same way: speculation is an optimisation, and wi
 target-only, losslessly, so no request fails for it. Where WorkerUnavailable is probed every worker_probe_s, a
 faulty party sits out worker_probe_s * 2^faults (at most MAX_FAULT_WAIT_S) before it is tried again: a fault that
 repeats on every call would otherwise cost a resync of every draft cache each time. A fault after the party had been
-up for MAX_FAULT_WAIT_S starts the count anew. A fault in the target's step fails the requests of that step
-(AsyncEngine: Engine.fail_running; the waiting ones run next): it alone produces the tokens, and a retry of a
-deterministic fault would only delay the error by worker_wait_s. A release that raises, from any party, is deferred
-as for a lost one.
+up for MAX_FAULT_WAIT_S starts the count anew.
+
+A target that raises verifying a step or opening a slot (it alone produces the tokens: there is no going on without
+it) stays up; nothing of the step was committed, and the fault is isolated to the requests that cause it
+(Engine._target_fault): the step's requests become suspects, their target slots are opened afresh (re-prefilled from
+prompt + committed tokens), and each runs alone until it passes a step. A request the target fails on alone twice in
+a row (Engine.TARGET_TRIES) ends with the error; the others go on, exactly (the output at temperature 0 is still the
+target-only output). A fault that one request causes (a prompt that breaks a kernel) so ends only that request; a
+passing one (an out-of-memory at the batch's size), none. Any other error out of a step (an engine bug) ends the
+step's requests (AsyncEngine: Engine.fail_running; the waiting ones run next). A release that raises, from any
+party, is deferred as for a lost one.
 
 Releases that cannot reach a party that is down are deferred and sent when it is back.
 """
@@ -40,7 +48,7 @@ class WorkerHealth:
     role: str
     down_since: float | None = None  # time.perf_counter() of the failure; None: up
     last_error: str = ""
-    failures: int = 0  # times it was marked down
+    failures: int = 0  # times it was marked down, or raised and stayed up (count_fault)
     recoveries: int = 0  # times it came back
     faults: int = 0  # errors it raised in a row (not WorkerUnavailable): each doubles its wait before the next try
     up_since: float = 0.0
@@ -65,6 +73,11 @@ class WorkerHealth:
         self.faults += 1
         self.mark_down(now, describe(error))
         self.next_probe = now + min(probe_s * 2 ** self.faults, MAX_FAULT_WAIT_S)
+
+    def count_fault(self, error: BaseException) -> None:
+        """It raised `error` and stays up (the target, whose faults the engine isolates to requests): counted."""
+        self.failures += 1
+        self.last_error = describe(error)
 
     def mark_up(self, now: float) -> None:
         self.down_since = None

@@ -47,6 +47,7 @@ class Flaky:
         self.restart_after_probes: int | None = None  # come back after this many available() calls
         self.fault_at: tuple[str, int] | None = None  # raise `error` from the n-th call of a method (1-based)
         self.faulty: str | None = None  # raise `error` from every call of this method
+        self.fault_if: Callable[[str, tuple[Any, ...]], bool] | None = None  # raise `error` where (name, args) holds
         self.error: Callable[[str], Exception] = lambda name: RuntimeError(f"{name}: an illegal memory access")
         self.probes = 0
         self.restarts = 0
@@ -78,7 +79,8 @@ class Flaky:
                 self.kill()
             if self.dead:
                 raise WorkerUnavailable(self.role, f"{name}: the actor died")
-            if self.fault_at == (name, self.calls[name]) or self.faulty == name:
+            if (self.fault_at == (name, self.calls[name]) or self.faulty == name
+                    or (self.fault_if is not None and self.fault_if(name, args))):
                 raise self.error(name)
             return getattr(self.inner, name)(*args, **kwargs)
 
@@ -384,10 +386,10 @@ def test_a_fault_doubles_the_wait_up_to_its_cap_and_a_long_healthy_run_restarts_
     assert h.faults == 1 and h.next_probe == pytest.approx(401.4 + MAX_FAULT_WAIT_S)
 
 
-def test_a_target_fault_ends_the_running_requests_with_an_error_and_the_waiting_ones_run(
-        reference: list[list[int]]) -> None:
-    """The target alone produces tokens: a step whose verification raised ends the requests in it (what it left of
-    their state is not known); the requests still waiting were not in it and complete exactly."""
+def test_a_passing_target_fault_loses_no_request(reference: list[list[int]]) -> None:
+    """The target raises once in a batch (an out-of-memory that passes): nothing of the step was committed; its
+    requests are re-prefilled and each tried alone, and every request ends with the target-only output, streamed
+    exactly once, through the AsyncEngine a server runs."""
     engine, parties = _engine("dsde")
     parties["target"].fault_at = ("verify", 3)
     aeng = AsyncEngine(engine).start()
@@ -401,14 +403,93 @@ def test_a_target_fault_ends_the_running_requests_with_an_error_and_the_waiting_
         outs = asyncio.run(run())
     finally:
         aeng.stop()
-    failed = [i for i, o in enumerate(outs) if o[-1].finish_reason == "error"]
-    assert 1 <= len(failed) <= BATCH  # the requests of the failed step, and only those
-    for i, o in enumerate(outs):
-        if i in failed:
-            assert o[-1].error == "engine step failed: RuntimeError: verify: an illegal memory access"
+    assert [[t for x in o for t in x.token_ids] for o in outs] == reference
+    assert all(o[-1].finish_reason == "length" for o in outs) and aeng.last_error is None
+    h = engine.health["target"]
+    assert h.failures == 1 and not h.down and h.last_error == "RuntimeError: verify: an illegal memory access"
+    _assert_all_freed(engine, parties)
+
+
+def _poison(parties: dict[str, Flaky], method: str, max_tokens: int, after: int = 0) -> None:
+    """The target raises on `method` whenever the request of `max_tokens` is in the call, once it has `after`
+    committed output tokens (open: from the start): a fault that one request causes."""
+    target = parties["target"]
+
+    def hit(name: str, args: tuple[Any, ...]) -> bool:
+        if name == "open":
+            return method == "open" and args[1].max_tokens == max_tokens
+        if name != method:
+            return False
+        slots = target.inner.slots
+        return any(slots[t.slot].params.max_tokens == max_tokens
+                   and len(slots[t.slot].committed) + len(t.new_tokens) >= len(PROMPTS[MAX_TOKENS.index(max_tokens)])
+                   + after for t in args[0])
+
+    target.fault_if = hit
+
+
+@pytest.mark.parametrize(("method", "after"), [("verify", 0), ("verify", 7), ("open", 0)])
+def test_a_target_fault_that_one_request_causes_ends_only_that_request(reference: list[list[int]], method: str,
+                                                                       after: int) -> None:
+    """A request the target fails on (in its prefill, after some tokens, or opening its slot) ends with the error
+    alone, its streamed tokens a prefix of its target-only output; the others, some of them in its batch, end with
+    theirs exactly."""
+    engine, parties = _engine("dsde")
+    bad = 2
+    _poison(parties, method, MAX_TOKENS[bad], after)
+    emitted: dict[str, list[int]] = {}
+    reqs = _add_all(engine, emitted)
+    _run_bounded(engine)
+    for i, r in enumerate(reqs):
+        if i == bad:
+            assert r.finish_reason == "error"
+            assert r.error == f"the target failed on this request: RuntimeError: {method}: an illegal memory access"
+            assert emitted.get(r.req_id, []) == reference[i][:len(r.output_ids)] and len(r.output_ids) >= after
         else:
-            assert o[-1].finish_reason == "length" and [t for x in o for t in x.token_ids] == reference[i]
-    assert "RuntimeError" in aeng.last_error
+            assert r.finish_reason == "length" and r.output_ids == reference[i] and emitted[r.req_id] == reference[i]
+    h = engine.health["target"]
+    assert h.failures == (2 if method == "open" else 3) and not h.down  # (the batch's fault, then) twice alone
+    _assert_all_freed(engine, parties)
+
+
+def test_a_passing_target_fault_at_batch_1_loses_no_request(reference: list[list[int]]) -> None:
+    """Alone from the start, a request the target raised on once is tried again (a passing fault) and ends exactly."""
+    engine, parties = _engine("dsde")
+    parties["target"].fault_at = ("verify", 3)
+    r = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS[0]))
+    _run_bounded(engine)
+    assert r.finish_reason == "length" and r.output_ids == reference[0]
+    assert engine.health["target"].failures == 1
+    _assert_all_freed(engine, parties)
+
+
+def test_a_target_that_faults_on_every_full_batch_still_finishes_every_request(reference: list[list[int]]) -> None:
+    """A fault at the batch's size (an out-of-memory on every batch of more than 2) costs steps, not requests: each
+    request passes its steps alone, the batch forms again, and every request ends with its target-only output."""
+    engine, parties = _engine("dsde")
+    parties["target"].fault_if = lambda name, args: name == "verify" and len(args[0]) > 2
+    reqs = _add_all(engine, {})
+    _run_bounded(engine, steps=5000)
+    assert [r.output_ids for r in reqs] == reference
+    assert engine.health["target"].failures > 1 and not engine.health["target"].down
+    _assert_all_freed(engine, parties)
+
+
+def test_a_target_that_faults_while_it_is_brought_back_is_tried_again(reference: list[list[int]]) -> None:
+    """The restarted target raises on the first slot the engine opens on it again: still down, tried again after
+    its fault wait; the requests then go on exactly."""
+    engine, parties = _engine("dsde")
+    target = parties["target"]
+    target.kill_at = ("verify", 3)
+    target.restart_after_probes = 2
+    faulted: list[bool] = []
+    target.fault_if = lambda name, _: (name == "open" and target.restarts == 1 and not faulted
+                                       and not faulted.append(True))
+    reqs = _add_all(engine, {})
+    _run_bounded(engine)
+    assert faulted and [r.output_ids for r in reqs] == reference
+    h = engine.health["target"]
+    assert h.failures == h.recoveries == h.faults == 1 and not h.down and target.restarts == 1
     _assert_all_freed(engine, parties)
 
 

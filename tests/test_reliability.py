@@ -3,6 +3,8 @@ module), with the tiny random-weight Qwen2 pair and the real tokenizer:
 
 - the draft, the target and the controller actor are killed (`ray.kill`, Ray restarts them) in the middle of
   concurrent streams: every request completes with exactly its target-only output (T=0); speculation resumes;
+- the target actor raises on one request (an error injected into the live actor with `__ray_call__`): only that
+  stream ends with an error; the others complete exactly;
 - a target that does not come back ends each request with a clear error after the configured wait (503 / an error
   event), and Serve replaces the replica, which then answers again;
 - 200 streams cancelled at random points leave no state anywhere (engine, both workers' KV slots, controller);
@@ -276,6 +278,61 @@ def test_controller_killed_requests_complete(svc: Service, reference: Any) -> No
     r = httpx.post(f"{svc.v1}/completions", headers=AUTH, timeout=TIMEOUT,
                    json={"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 40, "temperature": 0})
     assert r.status_code == 200 and r.json()["speculation"]["drafted"] > 0
+
+
+def _poison_verify(host: Any, seed: int, from_call: int) -> None:
+    """Run inside the target actor (__ray_call__): its verify raises, as a kernel that breaks on one request's data
+    would, whenever the request of sampling seed `seed` is in the batch, from that request's `from_call`-th step on."""
+    worker, calls = host.worker, [0]
+    verify = worker.verify
+
+    def faulty(tasks: list[Any]) -> list[Any]:
+        if any(worker.slots[t.slot].params.seed == seed for t in tasks):
+            calls[0] += 1
+            if calls[0] >= from_call:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return verify(tasks)
+
+    worker.verify = faulty
+
+
+def _heal_verify(host: Any) -> None:
+    del host.worker.verify  # the class's method again
+
+
+def test_a_target_fault_one_request_causes_ends_only_that_request(svc: Service, reference: Any) -> None:
+    """The target actor raises (and lives on) whenever one request is in its batch, from that request's 4th step:
+    that stream ends with an error event (500) after the text it had, a prefix of its target-only output; the other
+    streams complete exactly, and the target stays up with the fault counted."""
+    prompts, max_tokens, seed = PROMPTS[:5], 60, 4242
+    for p in prompts:
+        reference(p, max_tokens)
+    failures_before = svc.metric("ray_dsde_worker_failures_total", worker="target")
+    target = svc.actor("target")
+    ray.get(target.__ray_call__.remote(_poison_verify, seed, 4))
+    try:
+        async def main() -> list[StreamResult]:
+            async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+                bodies = [{"model": MODEL, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
+                           **({"seed": seed} if i == 0 else {})} for i, p in enumerate(prompts)]
+                return await asyncio.wait_for(
+                    asyncio.gather(*(stream(client, f"{svc.v1}/completions", b) for b in bodies)), TIMEOUT)
+
+        bad, *good = asyncio.run(main())
+    finally:
+        ray.get(target.__ray_call__.remote(_heal_verify))
+    _assert_exact(good, prompts[1:], max_tokens, reference)
+    assert bad.status == 200 and bad.done and bad.error is not None and bad.error["code"] == 500, bad
+    message = bad.error["message"]  # the remote error: RayTaskError(RuntimeError): RuntimeError: CUDA error: ...
+    assert message.startswith("the target failed on this request: ") and "RuntimeError: CUDA error" in message, bad
+    assert bad.text and reference(prompts[0], max_tokens).startswith(bad.text)
+    w = _worker(svc, "target")
+    assert w["up"] and "illegal memory access" in w["last_error"]
+    wait_for(lambda: svc.metric("ray_dsde_worker_failures_total", worker="target") >= failures_before + 1, 30,
+             what="worker_failures_total{target} to count the fault")
+    r = httpx.post(f"{svc.v1}/completions", headers=AUTH, timeout=TIMEOUT,
+                   json={"model": MODEL, "prompt": prompts[0], "max_tokens": 20, "temperature": 0, "seed": seed})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference(prompts[0], 20)  # healed
 
 
 # ---- cancellation and load --------------------------------------------------------------------------------
