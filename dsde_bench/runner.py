@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from dsde_bench.backend import Backend
 from dsde_bench.metrics import (
@@ -231,10 +231,17 @@ def run_cell(engine: Engine, policy: str, prompts: Sequence[Sequence[int]], prom
     return run
 
 
-def median_run(runs: Sequence[tuple[Any, ...]]) -> tuple[Any, ...]:
-    """The run (a CellRun first, what goes with it after) of median wall time (of an even count, the faster of the
-    middle two)."""
-    ranked = sorted(runs, key=lambda r: r[0].wall_s)
+class Round(NamedTuple):
+    """One round of a repeated cell: the run, the load average before and after it, its metrics."""
+
+    run: CellRun
+    load: list[float | None]
+    metrics: CellMetrics
+
+
+def median_run(rounds: Sequence[Round]) -> Round:
+    """The round of median wall time (of an even count, the faster of the middle two)."""
+    ranked = sorted(rounds, key=lambda r: r.run.wall_s)
     return ranked[(len(ranked) - 1) // 2]
 
 
@@ -300,7 +307,7 @@ def run_grid(backend: Backend, cfg: GridConfig, print_fn: Callable[[str], None] 
                 # repeats run round-robin over the policies, and each keeps its median run: a burst of other work
                 # on a shared machine then costs every policy a round instead of biasing one of them, and a policy
                 # whose schedule varies from run to run (an online cost model) is not credited with its luckiest
-                runs: dict[str, list[tuple[CellRun, list[float | None], CellMetrics]]] = {}
+                runs: dict[str, list[Round]] = {}
                 group: list[dict[str, Any]] = []
                 for rep in range(cfg.repeats):
                     params = sampling_params(len(ids), lengths, temp, round_seed(cfg.seed, rep, temp), cfg.ignore_eos)
@@ -308,16 +315,16 @@ def run_grid(backend: Backend, cfg: GridConfig, print_fn: Callable[[str], None] 
                         load0 = _loadavg()
                         run = run_cell(backend.engine, pol, ids, pids, params, bs, cfg.watch, warm)
                         m = summarize(run.records, run.steps, run.wall_s)
-                        runs.setdefault(pol, []).append((run, [load0, _loadavg()], m))
+                        runs.setdefault(pol, []).append(Round(run, [load0, _loadavg()], m))
                         if rep < cfg.repeats - 1:
                             continue
                         run, load, m = median_run(runs[pol])  # the last round: all of this policy's runs are known
                         # every round's wall time, SL and acceptance: where a policy's rounds differ, they say whether
                         # its plans did or the machine's load (the cell's other figures are the median run's)
                         cell = {**_cell(w, temp, bs, pol, run, m), "loadavg": load, "repeats": cfg.repeats,
-                                "walls_s": [round(r.wall_s, 4) for r, *_ in runs[pol]],
-                                "sl_means": [round(rm.sl_mean, 3) for *_, rm in runs[pol]],
-                                "acceptance_rates": [round(rm.acceptance_rate, 3) for *_, rm in runs[pol]]}
+                                "walls_s": [round(r.run.wall_s, 4) for r in runs[pol]],
+                                "sl_means": [round(r.metrics.sl_mean, 3) for r in runs[pol]],
+                                "acceptance_rates": [round(r.metrics.acceptance_rate, 3) for r in runs[pol]]}
                         group.append(cell)
                         series += [{"workload": w, "temperature": temp, "batch": bs, "policy": pol, "request": rid,
                                     "steps": rows} for rid, rows in run.series.items()]

@@ -12,7 +12,7 @@ import pytest
 from dsde_bench import cli, provenance, runner
 from dsde_bench.backend import tiny_backend
 from dsde_bench.recording import RecordingPolicy
-from dsde_bench.runner import CellRun, GridConfig, drive, format_row, median_run, run_grid, sampling_params
+from dsde_bench.runner import CellRun, GridConfig, Round, drive, format_row, median_run, run_grid, sampling_params
 from dsde_core.config import SamplingParams
 from dsde_core.cost import StepCosts
 from dsde_core.errors import ConfigError
@@ -320,7 +320,7 @@ def test_sampled_rounds_draw_new_seeds_shared_by_every_policy(backend, monkeypat
 
 
 def test_median_run_of_an_even_count_is_the_faster_middle_one() -> None:
-    runs = [(CellRun([], [], w), w) for w in (3.0, 1.0, 4.0, 2.0)]
-    assert median_run(runs)[1] == 2.0 and median_run(runs[:3])[1] == 3.0 and median_run(runs[:1])[1] == 3.0
+    runs = [Round(CellRun([], [], w), [w], None) for w in (3.0, 1.0, 4.0, 2.0)]  # only the wall is read
+    assert median_run(runs).load == [2.0] and median_run(runs[:3]).load == [3.0] and median_run(runs[:1]).load == [3.0]
     with pytest.raises(ConfigError, match="repeats"):
         GridConfig(repeats=0)
