@@ -129,12 +129,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     args.code = provenance.code_version()  # the code the run starts with: the checkout may move on during a run
     try:
-        if args.length_spread and (args.url or args.simulate):
-            raise ConfigError("--length-spread runs the in-process grid only (not --url or --simulate)")
+        given = {"--length-spread": bool(args.length_spread), "--draft-window": args.draft_window is not None}
+        for flag in [f for f, on in given.items() if on and (args.url or args.simulate)]:
+            raise ConfigError(f"{flag} runs the in-process grid only (not --url or --simulate)")
         if args.draft_window is not None:
-            if args.url or args.simulate:
-                raise ConfigError("--draft-window runs the in-process grid only (a server has its own draft_window; "
-                                  "--simulate's traces do not window the draft)")
             from dsde_core.config import EngineConfig
 
             EngineConfig(draft_window=args.draft_window)  # a bad N fails now, before any data or model loads
