@@ -15,6 +15,14 @@ Criteria: Locust reports zero failed requests; after warm-up (the first --warmup
 at most --max-growth (default 5%) from the mean of the first post-warm-up samples to the mean of the last ones;
 at the end no request state is left (/admin/state: all counts zero).
 
+--chaos N: every N seconds of load, SIGKILL the process of one model or controller actor in turn (draft, controller,
+target: a crash, not a clean exit); Ray restarts it and the engine recovers (README "Failure behaviour"). Criteria
+then: zero failed requests all the same, every actor up at the end with each kill counted as one failure in
+/admin/state, no state left, a clean SIGTERM. The RSS is reported, not judged (a restarted actor starts afresh).
+Each actor may be restarted actor_max_restarts (3) times, so a run kills each at most that often.
+
+    .venv/bin/python benchmarks/soak.py --chaos 40           # 8 kills in 6 minutes: 3, 3 and 2
+
 The tiny pair (random weights, the real Qwen tokenizer; tests/service_support.make_tiny_pair) makes requests
 short, so many more of them pass through the ingress, the engine and the actors in the same minutes: what
 a soak is for. Locust runs at nice 10 so that the service's workers keep the CPU (notes: a load generator on the
@@ -28,6 +36,7 @@ import contextlib
 import csv
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -98,6 +107,22 @@ def session_rss(sid: int) -> dict[str, int]:
     return out
 
 
+CHAOS = (("draft", "DraftHost"), ("policy", "Controller"), ("target", "TargetHost"))  # /admin/state role, actor class
+MAX_KILLS = 3  # each actor's restarts (the app arg actor_max_restarts' default)
+CHAOS_QUIET_S = 30  # no kill in the last seconds of load: the last one's actor is back before the end
+
+
+def actor_pid(sid: int, cls: str) -> int | None:
+    """The live process of session `sid` that hosts an actor of class `cls` (Ray titles it ray::Cls or
+    ray::Cls.method()); None while there is none (restarting)."""
+    title = re.compile(rf"ray::{cls}(\.|\s|$)")
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getsid(p.pid) == sid and title.match(" ".join(p.info["cmdline"] or [])):
+                return p.pid
+    return None
+
+
 def _start_service(args: argparse.Namespace, port: int, metrics_port: int, workdir: Path) -> subprocess.Popen:
     cmd = [str(BIN / "dsde"), "serve", "--port", str(port), "--metrics-port", str(metrics_port),
            "--max-batch-size", str(args.batch), "--num-cpus", "2", "--model-name", "soak"]
@@ -140,6 +165,16 @@ def _stop(proc: subprocess.Popen) -> None:
         with contextlib.suppress(psutil.Error, OSError):
             if os.getsid(p.pid) == proc.pid:
                 p.kill()
+
+
+def _kill(sid: int, actor: tuple[str, str], t: float) -> dict[str, Any]:
+    role, cls = actor
+    pid = actor_pid(sid, cls)
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    print(f"soak: t={t:5.0f}s chaos: " + (f"SIGKILL {cls} (pid {pid})" if pid else f"no {cls} process"), flush=True)
+    return {"t_s": round(t, 1), "role": role, "actor": cls, "pid": pid}
 
 
 def _locust(args: argparse.Namespace, url: str, workdir: Path) -> subprocess.Popen:
@@ -189,9 +224,15 @@ def main() -> int:
     ap.add_argument("--max-growth", type=float, default=0.05, help="allowed RSS growth after warm-up (fraction)")
     ap.add_argument("--real", action="store_true", help="the embedded pair instead of the tiny one")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
+    ap.add_argument("--chaos", type=float, default=0.0, metavar="N",
+                    help="SIGKILL one actor (draft, controller, target in turn) every N seconds of load (default: off)")
     args = ap.parse_args()
     if args.warmup >= args.duration:
         ap.error("--warmup must be shorter than --duration")
+    kills = int((args.duration - CHAOS_QUIET_S) // args.chaos) if args.chaos > 0 else 0  # the last long before the end
+    if args.chaos < 0 or -(-kills // len(CHAOS)) > MAX_KILLS:
+        ap.error(f"--chaos {args.chaos:g} kills an actor more than {MAX_KILLS} times in {args.duration}s (Ray restarts "
+                 f"each at most {MAX_KILLS} times): take a longer interval")
 
     workdir = Path(tempfile.mkdtemp(prefix="dsde-soak-"))
     port, metrics_port = free_port(), free_port()
@@ -200,6 +241,7 @@ def main() -> int:
     proc = _start_service(args, port, metrics_port, workdir)
     samples: list[tuple[float, int]] = []
     per_process: list[dict[str, int]] = []
+    killed: list[dict[str, Any]] = []
     try:
         _wait_ready(url, proc, 900 if args.real else 300)
         print(f"soak: service ready in {time.perf_counter() - t_start:.0f}s at {url} (logs in {workdir})", flush=True)
@@ -211,6 +253,8 @@ def main() -> int:
             samples.append((t, sum(rss.values())))
             per_process.append(rss)
             print(f"soak: t={t:5.0f}s rss={samples[-1][1] / 2**20:7.0f} MiB ({len(rss)} processes)", flush=True)
+            if len(killed) < kills and t >= args.chaos * (len(killed) + 1):
+                killed.append(_kill(proc.pid, CHAOS[len(killed) % len(CHAOS)], t))
             time.sleep(args.interval)
         state = httpx.get(f"{url}/admin/state", timeout=30).json()
     finally:
@@ -233,7 +277,8 @@ def main() -> int:
         "rss_warm_mib": first / 2**20, "rss_end_mib": last / 2**20, "rss_growth": growth,
         "rss_slope_mib_per_min": slope, "leftover_state": leftover,
         "worker_failures": {role: w["failures"] for role, w in state["workers"].items()},
-        "stopped_cleanly": stopped_cleanly,
+        "stopped_cleanly": stopped_cleanly, "chaos_s": args.chaos, "kills": killed,
+        "workers_up": {role: w["up"] for role, w in state["workers"].items()},
     }
     biggest = sorted(per_process[-1].items(), key=lambda kv: -kv[1])[:6] if per_process else []
     warm_index = next((i for i, (t, _) in enumerate(samples) if t >= args.warmup), 0)
@@ -253,8 +298,14 @@ def main() -> int:
           f"{'drained, exit 0' if stopped_cleanly else 'NOT clean (see serve.log)'}")
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
-    ok = (failures == 0 and requests > 0 and growth <= args.max_growth and not any(leftover.values())
-          and stopped_cleanly)
+    ok = failures == 0 and requests > 0 and not any(leftover.values()) and stopped_cleanly
+    if kills:  # every kill found its actor, counted once; every actor back
+        per_role = {role: sum(k["role"] == role for k in killed) for role, _ in CHAOS}
+        print(f"  chaos: {len(killed)} kills {per_role}; workers up at the end: {figures['workers_up']}")
+        ok = ok and all(k["pid"] for k in killed) and all(figures["workers_up"].values()) and all(
+            figures["worker_failures"][role] == n for role, n in per_role.items())
+    else:
+        ok = ok and growth <= args.max_growth
     print("soak: PASS" if ok else "soak: FAIL")
     return 0 if ok else 1
 
