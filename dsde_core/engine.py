@@ -162,7 +162,7 @@ class Engine:
             except Exception as e:  # WorkerUnavailable, or a fault: planned target-only until it is back
                 self._failed("policy", e)
         ks = [len(v.kld) for v in verdicts]  # tokens proposed per sequence, 0 included
-        emitted = [self._commit(r, v) for r, v in zip(rows, verdicts, strict=True)]
+        emitted, failed = self._commit_all(rows, verdicts)
         self._observe_costs(pending, proposals, t2 - t1, t3 - t2)
         self.step_log.append(StepRecord(
             batch=len(verdicts), ks=ks, emitted=sum(len(o.token_ids) for o in emitted), draft_s=t2 - t1,
@@ -170,7 +170,7 @@ class Engine:
         for out in emitted:
             if out.finished:
                 self._free(self.requests.pop(out.req_id))
-        return outputs + emitted
+        return outputs + failed + emitted
 
     def _plan(self, rows: list[Request]) -> dict[str, Plan]:
         # a sequence whose draft cache is empty (it never drafted, or the draft restarted) prefills it when it drafts
@@ -248,6 +248,20 @@ class Engine:
         entropy = tuple(d.entropy for d in dists)  # computed by the draft only where a confidence stop needs it
         return StepFeedback(r.req_id, plan.k, len(dists), v.accepted, tuple(v.kld),
                             entropy if all(h == h for h in entropy) else (), tuple(prop.conf) if prop else ())
+
+    def _commit_all(self, rows: list[Request],
+                    verdicts: list[Verdict]) -> tuple[list[RequestOutput], list[RequestOutput]]:
+        """Commit each row's verdict: (its outputs, the error ends of rows whose commit raised). A bug in one request's
+        output (its text, its stop strings) ends that request only."""
+        emitted: list[RequestOutput] = []
+        failed: list[RequestOutput] = []
+        for r, v in zip(rows, verdicts, strict=True):
+            try:
+                emitted.append(self._commit(r, v))
+            except Exception as e:
+                log.error("the engine failed on request %s; it ends with the error", r.req_id, exc_info=e)
+                failed.append(self._fail(r, f"the engine failed on this request: {describe(e)}"))
+        return emitted, failed
 
     def _commit(self, r: Request, v: Verdict) -> RequestOutput:
         now = time.perf_counter()

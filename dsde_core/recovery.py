@@ -27,9 +27,10 @@ it) stays up; nothing of the step was committed, and the fault is isolated to th
 prompt + committed tokens), and each runs alone until it passes a step. A request the target fails on alone twice in
 a row (Engine.TARGET_TRIES) ends with the error; the others go on, exactly (the output at temperature 0 is still the
 target-only output). A fault that one request causes (a prompt that breaks a kernel) so ends only that request; a
-passing one (an out-of-memory at the batch's size), none. Any other error out of a step (an engine bug) ends the
-step's requests (AsyncEngine: Engine.fail_running; the waiting ones run next). A release that raises, from any
-party, is deferred as for a lost one.
+passing one (an out-of-memory at the batch's size), none. An error committing one request's tokens (a bug in its
+text or stop strings) ends that request only; any other error out of a step (an engine bug) ends the step's requests
+(AsyncEngine: Engine.fail_running; the waiting ones run next). A release that raises, from any party, is deferred as
+for a lost one.
 
 Releases that cannot reach a party that is down are deferred and sent when it is back.
 """

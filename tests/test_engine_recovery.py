@@ -493,6 +493,29 @@ def test_a_target_that_faults_while_it_is_brought_back_is_tried_again(reference:
     _assert_all_freed(engine, parties)
 
 
+def test_an_error_committing_one_request_ends_only_that_request(reference: list[list[int]]) -> None:
+    """A bug in one request's output handling (here its detokenizer raises) ends that request with the error; the
+    others of its steps end with their target-only outputs."""
+    engine, parties = _engine("dsde")
+    reqs = _add_all(engine, {})
+
+    class Broken:
+        stopped = False
+
+        def add(self, ids: list[int]) -> str:
+            raise ValueError("no text for these ids")
+
+    reqs[2].detok = Broken()
+    _run_bounded(engine)
+    for i, r in enumerate(reqs):
+        if i == 2:
+            assert r.finish_reason == "error"
+            assert r.error == "the engine failed on this request: ValueError: no text for these ids"
+        else:
+            assert r.finish_reason == "length" and r.output_ids == reference[i]
+    _assert_all_freed(engine, parties)
+
+
 def test_a_target_release_that_raises_is_deferred_and_decoding_goes_on_exactly(reference: list[list[int]]) -> None:
     engine, parties = _engine("dsde")
     parties["target"].fault_at = ("release", 1)  # the first finished request's release
