@@ -495,6 +495,7 @@ class Engine:
             waiting, cancelling = len(self.waiting), len(self._cancelled)
         return {"running": len(self.running), "waiting": waiting, "requests": len(self.requests),
                 "slots_in_use": self.config.max_batch_size - len(self.free_slots), "cancelling": cancelling,
+                "tried_alone": len(self._suspects),  # requests of a batch the target raised on (_target_fault)
                 "workers": {role: h.as_dict() for role, h in self.health.items() if role != "draft" or self.draft}}
 
     # ---- convenience --------------------------------------------------------------------------------

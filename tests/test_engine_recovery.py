@@ -153,7 +153,7 @@ def _restart(engine: Engine, party: Flaky) -> None:
 
 
 def _assert_all_freed(engine: Engine, parties: dict[str, Any]) -> None:
-    assert not engine.running and not engine.waiting and not engine.requests
+    assert not engine.running and not engine.waiting and not engine.requests and engine.state()["tried_alone"] == 0
     assert len(engine.free_slots) == BATCH
     for role in ("target", "draft"):
         if role in parties and not parties[role].dead:
@@ -469,6 +469,9 @@ def test_a_target_that_faults_on_every_full_batch_still_finishes_every_request(r
     engine, parties = _engine("dsde")
     parties["target"].fault_if = lambda name, args: name == "verify" and len(args[0]) > 2
     reqs = _add_all(engine, {})
+    while not engine.health["target"].failures:
+        engine.step()
+    assert engine.state()["tried_alone"] == BATCH  # the failed batch's requests, each to run alone
     _run_bounded(engine, steps=5000)
     assert [r.output_ids for r in reqs] == reference
     assert engine.health["target"].failures > 1 and not engine.health["target"].down

@@ -328,6 +328,7 @@ def test_a_target_fault_one_request_causes_ends_only_that_request(svc: Service, 
     assert bad.text and reference(prompts[0], max_tokens).startswith(bad.text)
     w = _worker(svc, "target")
     assert w["up"] and "illegal memory access" in w["last_error"]
+    _assert_no_state_left(svc)  # tried_alone too
     wait_for(lambda: svc.metric("ray_dsde_worker_failures_total", worker="target") >= failures_before + 1, 30,
              what="worker_failures_total{target} to count the fault")
     r = httpx.post(f"{svc.v1}/completions", headers=AUTH, timeout=TIMEOUT,
@@ -340,8 +341,8 @@ def _assert_no_state_left(svc: Service) -> dict[str, Any]:
     def empty() -> dict[str, Any] | None:
         s = svc.state()
         counts = (s["running"], s["waiting"], s["requests"], s["slots_in_use"], s["target_slots_open"],
-                  s["draft_slots_open"], s["controller_tracked"])
-        return s if counts == (0, 0, 0, 0, 0, 0, 0) else None
+                  s["draft_slots_open"], s["controller_tracked"], s["tried_alone"])
+        return s if counts == (0, 0, 0, 0, 0, 0, 0, 0) else None
 
     return wait_for(empty, 30, interval=0.25, what="every piece of per-request state to be freed")
 
