@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,13 +99,26 @@ class StreamingUser(HttpUser):
 def session_rss(sid: int) -> dict[str, int]:
     """RSS in bytes of every live process of session `sid`, keyed 'pid name'."""
     out = {}
-    for p in psutil.process_iter(["pid", "name", "cmdline"]):
-        with contextlib.suppress(psutil.Error, OSError):
-            if os.getsid(p.pid) != sid:
-                continue
-            cmd = " ".join(p.info["cmdline"] or [])[:60] or p.info["name"]
-            out[f"{p.pid} {cmd}"] = p.memory_info().rss
+    for p in session_processes(sid):
+        with contextlib.suppress(psutil.Error):  # it may end between the listing and this read
+            out[f"{p.pid} {command(p)[:60] or p.info['name']}"] = p.memory_info().rss
     return out
+
+
+def session_processes(sid: int) -> Iterator[psutil.Process]:
+    """The live processes of session `sid` (the service this script started, and only those), with their pid, name
+    and command line read."""
+    for p in psutil.process_iter(["pid", "name", "cmdline"]):
+        try:
+            ours = os.getsid(p.pid) == sid
+        except OSError:  # it ended since the listing
+            continue
+        if ours:
+            yield p
+
+
+def command(p: psutil.Process) -> str:
+    return " ".join(p.info["cmdline"] or [])
 
 
 CHAOS = (("draft", "DraftHost"), ("policy", "Controller"), ("target", "TargetHost"))  # /admin/state role, actor class
@@ -116,11 +130,7 @@ def actor_pid(sid: int, cls: str) -> int | None:
     """The live process of session `sid` that hosts an actor of class `cls` (Ray titles it ray::Cls or
     ray::Cls.method()); None while there is none (restarting)."""
     title = re.compile(rf"ray::{cls}(\.|\s|$)")
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        with contextlib.suppress(psutil.Error, OSError):
-            if os.getsid(p.pid) == sid and title.match(" ".join(p.info["cmdline"] or [])):
-                return p.pid
-    return None
+    return next((p.pid for p in session_processes(sid) if title.match(command(p))), None)
 
 
 def _start_service(args: argparse.Namespace, port: int, metrics_port: int, workdir: Path) -> subprocess.Popen:
@@ -161,10 +171,9 @@ def _stop(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(10)
-    for p in psutil.process_iter(["pid"]):  # stragglers of the session this script started, and only those
-        with contextlib.suppress(psutil.Error, OSError):
-            if os.getsid(p.pid) == proc.pid:
-                p.kill()
+    for p in session_processes(proc.pid):  # stragglers of the session this script started, and only those
+        with contextlib.suppress(psutil.Error):
+            p.kill()
 
 
 def _kill(sid: int, actor: tuple[str, str], t: float) -> dict[str, Any]:
