@@ -154,7 +154,7 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"dsde serve exited with {proc.returncode} before it was ready")
-        with contextlib.suppress(httpx.HTTPError):
+        with contextlib.suppress(httpx.HTTPError, ValueError):  # ValueError: not JSON yet (Serve's own 404 or 503)
             if httpx.get(f"{url}/health", timeout=5).json().get("status") == "ok":
                 return
         time.sleep(2)
