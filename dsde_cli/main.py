@@ -34,6 +34,10 @@ def _add_serve(sub: Any) -> None:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--metrics-port", type=int, default=8080, help="Prometheus endpoint of Ray's metrics export")
+    s.add_argument("--prometheus-sd", default="auto", metavar="FILE",
+                   help="Prometheus service-discovery file to write while serving (default 'auto': Ray's, "
+                        "/tmp/ray/prom_metrics_service_discovery.json, which deploy/prometheus/prometheus.yml reads; "
+                        "'none': write none)")
     s.add_argument("--num-cpus", type=int, default=None, help="Ray's logical CPUs (default: the machine's)")
     s.add_argument("--worker-niceness", type=int, default=0,
                    help="nice level of Ray's workers, the model actors included (default 0; Ray's own default is 15)")
@@ -62,7 +66,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.draft_window is not None:
         app_args["draft_window"] = args.draft_window
     opts = LocalServe(app_args, host=args.host, port=args.port, num_cpus=args.num_cpus,
-                      metrics_port=args.metrics_port or None, worker_niceness=args.worker_niceness)
+                      metrics_port=args.metrics_port or None, worker_niceness=args.worker_niceness,
+                      prometheus_sd=None if args.prometheus_sd.lower() == "none" else args.prometheus_sd)
     return serve_forever(opts, log=lambda msg: print(msg, flush=True))
 
 

@@ -1,10 +1,15 @@
 """`dsde serve`: start a local Ray, run the app on it, print the URL, block, and stop everything on Ctrl-C or
 SIGTERM (Serve first, then Ray: the cluster this process started and nothing else). Stopping is graceful: the
-replica is drained first (new requests get 503, running ones finish within graceful_shutdown_timeout_s)."""
+replica is drained first (new requests get 503, running ones finish within graceful_shutdown_timeout_s).
+
+Ray runs without its dashboard here, and the dashboard is what writes Prometheus' service-discovery file; so `dsde
+serve` writes that file itself, where Ray's would be (deploy/prometheus/prometheus.yml reads it), and removes it when
+it stops."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -20,6 +25,8 @@ from services.config import PolicyConfig, ServiceConfig
 from services.placement import strip_exception_type
 
 APP_NAME = "dsde"
+SD_AUTO = "auto"  # LocalServe.prometheus_sd: the file Ray's dashboard would write, in Ray's temp dir
+SD_FILE_NAME = "prom_metrics_service_discovery.json"  # Ray's name for it (ray._private.ray_constants)
 
 
 @dataclass
@@ -31,6 +38,7 @@ class LocalServe:
     metrics_port: int | None = 8080  # Prometheus endpoint of Ray's metrics export; None: Ray picks one
     object_store_memory: int = 256 * 2**20
     worker_niceness: int | None = 0  # Ray runs workers (the model actors) at nice 15 unless told; None: Ray's
+    prometheus_sd: str | None = SD_AUTO  # Prometheus' service-discovery file to write (SD_AUTO: Ray's); None: none
 
     def check(self) -> None:
         """Fail before Ray starts: bad args, a model source that is not there, ports already taken."""
@@ -41,6 +49,10 @@ class LocalServe:
                                      f"a local Hugging Face model directory or a local .gguf file")
         if "user_config" in self.args:
             PolicyConfig.from_dict(self.args["user_config"])
+        if self.prometheus_sd not in (None, SD_AUTO):
+            folder = Path(self.prometheus_sd).expanduser().parent
+            if not folder.is_dir() or not os.access(folder, os.W_OK):
+                raise ConfigError(f"--prometheus-sd {self.prometheus_sd!r}: {folder} is not a writable directory")
         for name, port in (("--port", self.port), ("--metrics-port", self.metrics_port)):
             if port is not None and not _port_free(self.host if name == "--port" else "127.0.0.1", port):
                 raise ConfigError(f"{name} {port} is already in use; pick another one")
@@ -95,6 +107,7 @@ def serve_forever(opts: LocalServe, stop: threading.Event | None = None, log: An
              _system_config=system_config)
     previous = {}
     ready = threading.Event()
+    sd: ServiceDiscovery | None = None
 
     def on_signal(*_: Any) -> None:
         if not ready.is_set():
@@ -105,6 +118,13 @@ def serve_forever(opts: LocalServe, stop: threading.Event | None = None, log: An
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 previous[sig] = signal.signal(sig, on_signal)
+        if opts.prometheus_sd is not None:  # Ray's metrics (Serve's included) are worth scraping while it loads
+            path = _sd_path(opts.prometheus_sd, ray)
+            try:
+                sd = ServiceDiscovery.write(path, _metrics_targets(ray))
+                log(f"dsde serve: Prometheus service discovery: {sd.path} ({', '.join(sd.targets)})")
+            except OSError as e:  # monitoring is no reason not to serve
+                log(f"dsde serve: warning: could not write Prometheus' service-discovery file {path}: {e}")
         serve.start(http_options={"host": opts.host, "port": opts.port})
         log("dsde serve: loading the models (the first start converts the embedded pair; minutes) ...")
         try:
@@ -126,6 +146,8 @@ def serve_forever(opts: LocalServe, stop: threading.Event | None = None, log: An
         return 0
     finally:
         ready.set()  # a second signal while shutting down only sets `stop`
+        if sd is not None:
+            sd.remove()
         with contextlib.suppress(Exception):
             serve.shutdown()
         ray.shutdown()
@@ -148,6 +170,40 @@ def drain(timeout: float, app_name: str = APP_NAME) -> int:
         return left
     except Exception:  # noqa: BLE001 - shutting down regardless: Serve's own graceful shutdown still applies
         return -1
+
+
+@dataclass
+class ServiceDiscovery:
+    """A Prometheus file_sd file naming the cluster's metrics endpoints as Ray's dashboard does (job "ray")."""
+
+    path: Path
+    targets: list[str]
+    text: str = ""
+
+    @classmethod
+    def write(cls, path: Path, targets: list[str]) -> ServiceDiscovery:
+        text = json.dumps([{"labels": {"job": "ray"}, "targets": targets}])
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)  # whole or not at all: Prometheus re-reads the file whenever it changes
+        return cls(path, targets, text)
+
+    def remove(self) -> None:
+        """Delete the file unless something else (a Ray dashboard of another cluster) has rewritten it since."""
+        with contextlib.suppress(OSError):
+            if self.path.read_text() == self.text:
+                self.path.unlink()
+
+
+def _sd_path(option: str, ray: Any) -> Path:
+    if option != SD_AUTO:
+        return Path(option).expanduser()
+    return Path(ray._private.worker._global_node.get_temp_dir_path()) / SD_FILE_NAME
+
+
+def _metrics_targets(ray: Any) -> list[str]:
+    """host:port of every live node's metrics export (here: this machine's one node)."""
+    return [f"{n['NodeManagerAddress']}:{n['MetricsExportPort']}" for n in ray.nodes() if n.get("Alive")]
 
 
 class ServiceStartError(DSDEError):

@@ -29,7 +29,8 @@ def test_sigterm_drains_running_streams_refuses_new_requests_and_exits_cleanly(t
     base = f"http://127.0.0.1:{port}"
     cmd = [str(BIN / "dsde"), "serve", "--draft", str(draft), "--target", str(target), "--model-name", "tiny",
            "--dtype", "float32", "--max-batch-size", "4", "--max-seq-len", "1024", "--threads", "1",
-           "--port", str(port), "--metrics-port", str(metrics_port), "--num-cpus", "2", "--api-key", KEY]
+           "--port", str(port), "--metrics-port", str(metrics_port), "--num-cpus", "2", "--api-key", KEY,
+           "--prometheus-sd", "none"]  # leave the machine's /tmp/ray alone
     env = ray_env()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)

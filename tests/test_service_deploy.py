@@ -3,7 +3,8 @@ stopping exactly the processes this test started (never `ray stop`):
 
 - `serve deploy deploy/config.yaml` against `ray start --head`: reaches RUNNING, answers, and a changed
   user_config is applied live (same replica, models not reloaded, the new policy for later requests);
-- `dsde serve`: prints its URL, answers, and exits cleanly on SIGTERM.
+- `dsde serve`: prints its URL, answers, writes the Prometheus service-discovery file that a real Prometheus with
+  deploy/prometheus/prometheus.yml scrapes the service's metrics through, and exits cleanly on SIGTERM, the file gone.
 
 Slow (a cluster start each); the config is deploy/config.yaml itself with only ports and models swapped for tiny ones.
 """
@@ -22,7 +23,14 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.ops_support import ray_env, ray_head, session_pids, stop_session
+from tests.ops_support import (
+    prometheus_server,
+    prometheus_test_config,
+    ray_env,
+    ray_head,
+    session_pids,
+    stop_session,
+)
 from tests.service_support import free_port, http_get, http_post, make_tiny_pair, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,12 +93,14 @@ def test_serve_deploy_config_reaches_running_and_reconfigures_live(tiny_models: 
         _serve_cli("shutdown", "-a", head.dashboard, "-y", timeout=120)
 
 
-def test_dsde_serve_answers_and_stops_cleanly_on_sigterm(tiny_models: tuple[Path, Path]) -> None:
+def test_dsde_serve_answers_is_scraped_and_stops_cleanly_on_sigterm(tiny_models: tuple[Path, Path],
+                                                                      tmp_path: Path) -> None:
     target, draft = tiny_models
     port, metrics_port = free_port(), free_port()
+    sd_file = tmp_path / "sd.json"  # not Ray's own under /tmp/ray: this test must not touch the machine's
     cmd = [str(BIN / "dsde"), "serve", "--draft", str(draft), "--target", str(target), "--model-name", "tiny",
            "--dtype", "float32", "--max-batch-size", "2", "--max-seq-len", "256", "--threads", "1",
-           "--port", str(port), "--metrics-port", str(metrics_port), "--num-cpus", "2"]
+           "--port", str(port), "--metrics-port", str(metrics_port), "--num-cpus", "2", "--prometheus-sd", str(sd_file)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ray_env(),
                             start_new_session=True)
     lines: list[str] = []
@@ -104,6 +114,12 @@ def test_dsde_serve_answers_and_stops_cleanly_on_sigterm(tiny_models: tuple[Path
         code, out = http_post(f"http://127.0.0.1:{port}/v1/chat/completions",
                               {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
         assert code == 200 and out["choices"][0]["message"]["role"] == "assistant", out
+        [group] = json.loads(sd_file.read_text())
+        assert group["labels"] == {"job": "ray"}, group
+        assert [t.rsplit(":", 1)[1] for t in group["targets"]] == [str(metrics_port)], group
+        with prometheus_server(prometheus_test_config(sd_file), tmp_path / "prometheus") as prom:
+            wait_for(lambda: prom.query('sum(ray_dsde_requests_finished_total{model="tiny"}) >= 1'), 60, interval=1,
+                     what="Prometheus to scrape the finished request through dsde serve's service-discovery file")
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(90) == 0, "".join(lines)
@@ -111,6 +127,7 @@ def test_dsde_serve_answers_and_stops_cleanly_on_sigterm(tiny_models: tuple[Path
         with pytest.raises(OSError):
             http_get(f"http://127.0.0.1:{port}/health", timeout=5)  # nothing listens any more
         assert any("stopping" in line for line in lines)
+        assert not sd_file.exists()  # Prometheus forgets the target instead of scraping a dead port
         wait_for(lambda: not session_pids(proc.pid), 30, what="every Ray process of `dsde serve` to exit")
     finally:
         stop_session(proc, grace=10)

@@ -195,6 +195,9 @@ def test_dsde_serve_rejects_bad_arguments_before_starting_ray(capsys: pytest.Cap
     assert "max_batch_size" in capsys.readouterr().err
     assert main(["serve", "--draft-window", "0"]) == 2
     assert "draft_window" in capsys.readouterr().err
+    assert main(["serve", "--prometheus-sd", "/no/such/folder/sd.json"]) == 2
+    assert "--prometheus-sd '/no/such/folder/sd.json': /no/such/folder is not a writable directory" in \
+        capsys.readouterr().err
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
