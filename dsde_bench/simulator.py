@@ -40,6 +40,9 @@ from dsde_core.policies import Plan, SeqInfo, SpeculationPolicy, StepFeedback, m
 from dsde_core.policies.adaedl import entropy_confidence, should_stop
 from dsde_core.policies.base import clamp_k
 
+PREFILL_SPAN = 256  # context tokens over which a profile's draft prefill cost per token is averaged (the measured
+# tables' range: benchmarks/gpu_costs.py times forwards of up to 256 tokens)
+
 
 # ---- cost models ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -76,6 +79,12 @@ class CostModel:
             return _interpolate(self.points["draft"], n)
         knee = self.knee if self.draft_knee is None else self.draft_knee
         return self.draft_base_s + self.draft_per_token_s * max(0, n - knee)
+
+    def draft_context_per_token(self, batch: int) -> float:
+        """C, a context token the draft takes in beside `batch` rows (a first draft step's prefill, which `step` prices
+        as draft_fwd(rows + context)): the mean over PREFILL_SPAN tokens, as the engine's cost model learns it. Not the
+        slope of a table cut at the step's tokens (StepCosts' default), which a noisy or flat short table makes ~0."""
+        return max(self.draft_fwd(batch + PREFILL_SPAN) - self.draft_fwd(batch), 0.0) / PREFILL_SPAN
 
     @property
     def ratio(self) -> float:
@@ -119,7 +128,7 @@ class ProfileCosts:
     def estimate(self, batch: int, max_tokens: int | None = None) -> StepCosts:
         b = max(batch, 1)
         verify, draft = self.cost.tables(b, max(max_tokens or b * 21, b + 1))
-        return StepCosts(b, verify, draft, self.cost.padded)
+        return StepCosts(b, verify, draft, self.cost.padded, self.cost.draft_context_per_token(b))
 
     def observe(self, verify_tokens: int, verify_s: float, draft_forwards: int, draft_rows: int,
                 draft_s: float, draft_context: int = 0) -> None:

@@ -243,6 +243,20 @@ def test_a_costs_file_is_a_named_profile(tmp_path) -> None:
         load_costs_file("x", tmp_path / "bad.json")
 
 
+def test_a_cost_aware_policy_plans_with_the_draft_prefill_the_replay_prices() -> None:
+    """A cold row's first draft step feeds its whole context to the draft, priced as draft_fwd(rows + context). The
+    policy's StepCosts must charge the same: the slope of a table cut at the step's few tokens, which falls on the
+    H100's table (launch-bound), priced it at 0, and dsde-goodput drafted rows with 2 tokens left and 470 to prefill."""
+    h100 = CostModel("h100", 0.015, 0.0001, 0.016, 0.0001, table=True, points={
+        "target": [[1, 0.0149], [8, 0.0159], [32, 0.0175], [256, 0.1152]],
+        "draft": [[1, 0.0158], [8, 0.0130], [32, 0.0150], [256, 0.1299]]})
+    costs = ProfileCosts(h100).estimate(4, 8)  # a step of 4 rows with a token or two to draft each
+    per_token = (h100.draft_fwd(4 + 256) - h100.draft_fwd(4)) / 256
+    assert costs.draft_context(470) == pytest.approx(470 * per_token)
+    assert costs.draft_context(470) > 10 * costs.verify(8)  # dearer than ten steps: not worth 2 tokens
+    assert ProfileCosts(UNIT).estimate(1).draft_context(100) == 0.0  # a flat draft takes in context for free
+
+
 def test_engine_profile_prices_what_the_engine_ran_and_follows_a_measured_model_beyond() -> None:
     # [batch, sum_k, draft_calls, draft_s, target_s, prefill]: the fastest step of each group counts, prefills not
     rows = [[1, 3, 3, 0.30, 1.0, 0], [1, 3, 3, 0.36, 1.2, 0], [4, 4, 1, 0.12, 1.5, 0], [4, 0, 0, 0.0, 9.0, 1]]
