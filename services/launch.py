@@ -26,7 +26,6 @@ from services.placement import strip_exception_type
 
 APP_NAME = "dsde"
 SD_AUTO = "auto"  # LocalServe.prometheus_sd: the file Ray's dashboard would write, in Ray's temp dir
-SD_FILE_NAME = "prom_metrics_service_discovery.json"  # Ray's name for it (ray._private.ray_constants)
 
 
 @dataclass
@@ -198,7 +197,8 @@ class ServiceDiscovery:
 def _sd_path(option: str, ray: Any) -> Path:
     if option != SD_AUTO:
         return Path(option).expanduser()
-    return Path(ray._private.worker._global_node.get_temp_dir_path()) / SD_FILE_NAME
+    name = ray._private.ray_constants.PROMETHEUS_SERVICE_DISCOVERY_FILE  # the name Ray's dashboard writes
+    return Path(ray._private.worker._global_node.get_temp_dir_path()) / name
 
 
 def _metrics_targets(ray: Any) -> list[str]:

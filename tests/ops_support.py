@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import yaml
+from ray._private import ray_constants
 
 from tests.service_support import free_port, http_get, wait_for
 
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
 GRAFANA_DIR = ROOT / "deploy" / "grafana"
-SD_FILE_NAME = "prom_metrics_service_discovery.json"  # Ray's name (ray._private.ray_constants)
+SD_FILE_NAME = ray_constants.PROMETHEUS_SERVICE_DISCOVERY_FILE
 TINY_MODEL = "tiny"
 
 
