@@ -277,7 +277,8 @@ def main() -> int:
     growth = (last - first) / first
     slope = _slope_mb_per_min(after)
     leftover = {key: state[key] for key in ("running", "waiting", "requests", "slots_in_use", "target_slots_open",
-                                            "draft_slots_open", "controller_tracked", "tried_alone")}
+                                            "draft_slots_open", "controller_tracked", "tried_alone",
+                                            "draft_tried_alone", "draft_off")}
     e2e = per_name.get("LLM E2E") or {}
     figures = {
         "duration_s": args.duration, "users": args.users, "models": "real" if args.real else "tiny",

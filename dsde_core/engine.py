@@ -28,6 +28,7 @@ from dsde_core.workers import DraftTask, Proposal, Verdict, VerifyTask
 
 log = logging.getLogger(__name__)
 TARGET_TRIES = 2  # a request ends after the target raised on it alone this many times in a row (a passing fault: once)
+DRAFT_TRIES = 2  # a request goes on target-only after the draft raised on it alone this many times in a row
 
 
 class DraftAPI(Protocol):
@@ -83,6 +84,8 @@ class Engine:
         self.health = {role: WorkerHealth(role) for role in ROLES}  # see dsde_core.recovery and _recover
         self.recovery_hooks: list[Callable[[str], None]] = []  # called with the role when a failed party is back
         self._suspects: dict[str, int] = {}  # req_id -> target faults alone in a row; each runs alone (_target_fault)
+        self._draft_suspects: dict[str, int] = {}  # req_id -> draft faults alone in a row; each drafts alone
+        self._draft_alone: Request | None = None  # the draft suspect drafting alone this step (_draft_fault)
         self._ids = itertools.count()
 
     # ---- requests in and out ------------------------------------------------------------------------
@@ -137,6 +140,7 @@ class Engine:
         if not self.running or self.health["target"].down:
             return outputs
         rows = self._rows()  # every running request; after a target fault, one suspect at a time
+        self._draft_alone = next((r for r in rows if r.req_id in self._draft_suspects), None)
         plans = self._plan_or_fallback(rows)
         prefill = any(r.synced_target == 0 for r in rows)  # a prompt is fed
         t1 = time.perf_counter()
@@ -199,7 +203,9 @@ class Engine:
 
     def _max_k(self, r: Request) -> int:
         """Ceiling on k: no draft, speculation off, global and per-request max SL, tokens left to generate."""
-        if self.draft is None or not r.spec.enabled or self.health["draft"].down:
+        if self.draft is None or not r.spec.enabled or self.health["draft"].down or r.draft_off:
+            return 0
+        if self._draft_alone is not None and self._draft_alone is not r:  # a draft suspect drafts alone
             return 0
         per_request = r.spec.max_sl if r.spec.max_sl is not None else self.config.max_sl
         # a step emits up to k + 1 tokens; never draft past max_tokens
@@ -211,7 +217,10 @@ class Engine:
             return {}
         tasks, reqs = [], []
         drafting = any(p.k > 0 for p in plans.values())
-        for r in rows:
+        alone = self._draft_alone
+        for r in rows if alone is None else [alone]:
+            if r.draft_off:
+                continue
             plan = plans[r.req_id]
             # A sequence with k = 0 still feeds its committed tokens to the draft when the batch drafts anyway
             # (its rows ride in the first draft forward) or when it lags by draft_max_lag tokens: its draft cache
@@ -220,7 +229,7 @@ class Engine:
             # prefill, not a cheap ride, and a request that never speculates never pays for it.
             lag = r.num_tokens - r.synced_draft
             ride = lag > 0 and r.synced_draft > 0 and (drafting or lag >= self.config.draft_max_lag)
-            if plan.k > 0 or ride or self.config.draft_catch_up:
+            if plan.k > 0 or ride or self.config.draft_catch_up or r is alone:  # a suspect is tried even at k = 0
                 tasks.append(DraftTask(r.slot, r.tokens[r.synced_draft:], plan.k, plan.min_confidence, plan.p_next,
                                        plan.accept_model, plan.worth))
                 reqs.append(r)
@@ -232,9 +241,14 @@ class Engine:
         stop = next((p.stop for p in plans.values() if p.stop is not None), None)  # one rule for the batch
         try:
             proposals = self.draft.propose(tasks, stop) if stop is not None else self.draft.propose(tasks)
-        except Exception as e:  # WorkerUnavailable, or a fault: this step and the next ones go on target-only until
-            self._failed("draft", e)  # the draft is back
+        except WorkerUnavailable as e:  # this step and the next ones go on target-only until the draft is back
+            self._failed("draft", e)
             return {}
+        except Exception as e:  # a fault: the same after a batch's call, and its requests are suspects
+            self._draft_fault(reqs, alone, e)
+            return {}
+        if alone is not None:  # it passed
+            self._draft_suspects.pop(alone.req_id, None)
         return {r.req_id: p for r, p in zip(reqs, proposals, strict=True) if p.tokens}
 
     def _verify_task(self, r: Request, proposal: Proposal | None) -> VerifyTask:
@@ -346,6 +360,7 @@ class Engine:
         if r in self.running:
             self.running.remove(r)
         self._suspects.pop(r.req_id, None)
+        self._draft_suspects.pop(r.req_id, None)
         if r.slot is not None:
             self._release("target", self.target, r.slot)
             if self.draft is not None:
@@ -387,6 +402,30 @@ class Engine:
                 self._suspects[r.req_id] = tries
                 outputs += self._reopen_target(r)
         return outputs
+
+    def _draft_fault(self, reqs: list[Request], alone: Request | None, error: Exception) -> None:
+        """The draft raised `error` (a fault: it answers) on a call holding `reqs`. After a batch's call it sits out its
+        wait (_failed) and each of the call's requests becomes a suspect: once the draft is back, a suspect drafts
+        alone (the others plan k = 0 for that step) until it passes a call. A fault on a suspect alone is that
+        request's: the draft stays up, the suspect's slot is opened afresh, and one the draft raised on alone
+        DRAFT_TRIES times goes on target-only to its end. So a fault one request causes turns speculation off for
+        that request only, and a passing one (an out-of-memory at the batch's size) for none."""
+        if alone is None:
+            self._failed("draft", error)
+            for r in reqs:
+                self._draft_suspects.setdefault(r.req_id, 0)
+            return
+        self.health["draft"].count_fault(error)
+        tries = self._draft_suspects.get(alone.req_id, 0) + 1  # faults alone, in a row
+        log.error("the draft raised an error on request %s alone (%d of %d)", alone.req_id, tries, DRAFT_TRIES,
+                  exc_info=error)
+        if tries < DRAFT_TRIES:
+            self._draft_suspects[alone.req_id] = tries
+            alone.synced_draft = 0  # what the call left of its draft cache is not known
+            self._open("draft", self.draft, alone)
+        else:
+            self._draft_suspects.pop(alone.req_id, None)
+            alone.draft_off = True
 
     def _reopen_target(self, r: Request) -> list[RequestOutput]:
         """Open r's target slot with an empty cache (its next step feeds prompt + committed tokens); a fault doing so
@@ -496,6 +535,8 @@ class Engine:
         return {"running": len(self.running), "waiting": waiting, "requests": len(self.requests),
                 "slots_in_use": self.config.max_batch_size - len(self.free_slots), "cancelling": cancelling,
                 "tried_alone": len(self._suspects),  # requests of a batch the target raised on (_target_fault)
+                "draft_tried_alone": len(self._draft_suspects),  # of a draft call that raised (_draft_fault)
+                "draft_off": sum(r.draft_off for r in self.running),  # target-only after draft faults alone
                 "workers": {role: h.as_dict() for role, h in self.health.items() if role != "draft" or self.draft}}
 
     # ---- convenience --------------------------------------------------------------------------------

@@ -21,6 +21,14 @@ faulty party sits out worker_probe_s * 2^faults (at most MAX_FAULT_WAIT_S) befor
 repeats on every call would otherwise cost a resync of every draft cache each time. A fault after the party had been
 up for MAX_FAULT_WAIT_S starts the count anew.
 
+The draft's faults are also isolated to the requests that cause them (Engine._draft_fault): the requests of a draft
+call that raised become suspects, and once the draft is back each drafts alone for a step (the batch's others plan
+k = 0 for it) until it passes a call. A fault on a suspect alone is that request's: the draft stays up and does not
+sit out; the suspect's draft slot is opened afresh, and one the draft raised on alone twice (Engine.DRAFT_TRIES) goes
+on target-only to its end, its output unchanged. So a fault one request causes turns speculation off for that request
+only, a passing one (an out-of-memory at the batch's size) for none, and a draft that faults on every call is tried in
+a batch less and less often and alone at most twice per request.
+
 A target that raises verifying a step or opening a slot (it alone produces the tokens: there is no going on without
 it) stays up; nothing of the step was committed, and the fault is isolated to the requests that cause it
 (Engine._target_fault): the step's requests become suspects, their target slots are opened afresh (re-prefilled from

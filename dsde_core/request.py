@@ -108,6 +108,7 @@ class Request:
     slot: int | None = None
     synced_draft: int = 0  # tokens of prompt + output the draft worker has been sent
     synced_target: int = 0
+    draft_off: bool = False  # the draft raised on this request alone DRAFT_TRIES times: target-only to its end
     finish_reason: str | None = None
     error: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)

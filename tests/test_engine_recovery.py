@@ -18,7 +18,7 @@ import pytest
 
 from dsde_core.async_engine import AsyncEngine
 from dsde_core.config import EngineConfig, SamplingParams
-from dsde_core.engine import Engine
+from dsde_core.engine import DRAFT_TRIES, Engine
 from dsde_core.errors import WorkerUnavailable
 from dsde_core.models.runner import ModelRunner
 from dsde_core.policies import make_policy
@@ -153,7 +153,9 @@ def _restart(engine: Engine, party: Flaky) -> None:
 
 
 def _assert_all_freed(engine: Engine, parties: dict[str, Any]) -> None:
-    assert not engine.running and not engine.waiting and not engine.requests and engine.state()["tried_alone"] == 0
+    state = engine.state()
+    assert not engine.running and not engine.waiting and not engine.requests
+    assert state["tried_alone"] == state["draft_tried_alone"] == state["draft_off"] == 0
     assert len(engine.free_slots) == BATCH
     for role in ("target", "draft"):
         if role in parties and not parties[role].dead:
@@ -334,6 +336,7 @@ def test_a_draft_fault_continues_target_only_then_speculation_resumes(reference:
     assert h.failures == h.recoveries == h.faults == 1 and not h.down and draft.restarts == 0
     assert h.last_error == f"RuntimeError: {when[0]}: an illegal memory access"
     assert drafted_at_fault is not None and _drafted(reqs) > drafted_at_fault  # the same worker drafts again
+    assert not any(r.draft_off for r in reqs)  # a passing fault: each drafted alone once, passed, and drafts on
     _assert_all_freed(engine, parties)
 
 
@@ -351,7 +354,34 @@ def test_a_policy_fault_plans_target_only_and_the_policy_comes_back(reference: l
     _assert_all_freed(engine, parties)
 
 
+def test_a_draft_fault_that_one_request_causes_turns_speculation_off_for_that_request_only(
+        reference: list[list[int]]) -> None:
+    """The draft raises whenever one request is in its call (as a kernel that breaks on one request's data would):
+    that request, tried alone twice, goes on target-only; the others draft again while it still runs (before: the
+    draft sat out faulting until that request ended). Every output is the target-only output."""
+    engine, parties = _engine("static:4")
+    reqs = _add_all(engine, {})
+    bad = reqs[3]  # in the first batch, and outlives that batch's others
+    parties["draft"].fault_if = lambda name, args: name == "propose" and any(t.slot == bad.slot for t in args[0])
+    at_off = at_end = None  # tokens the others had drafted when bad was switched off, and when it ended
+    for _ in range(2000):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+        others = sum(r.stats.drafted for r in reqs if r is not bad)
+        at_off = others if at_off is None and bad.draft_off else at_off
+        at_end = others if at_end is None and bad.finished else at_end
+    assert [r.output_ids for r in reqs] == reference and all(r.finish_reason == "length" for r in reqs)
+    assert bad.draft_off and bad.stats.drafted == 0 and not any(r.draft_off for r in reqs if r is not bad)
+    assert at_off is not None and at_end is not None and at_end > at_off  # they drafted while bad ran target-only
+    h = engine.health["draft"]
+    assert h.failures == 3 and h.faults == 1 and not h.down  # the batch's call (it sat out), then bad's two alone
+    _assert_all_freed(engine, parties)
+
+
 def test_a_draft_that_always_faults_is_tried_less_and_less_often(reference: list[list[int]]) -> None:
+    """Each batch's call that faults doubles the draft's wait; each request is then tried alone at most DRAFT_TRIES
+    times and goes on target-only."""
     engine, parties = _engine()
     draft = parties["draft"]
     draft.faulty = "propose"
@@ -363,9 +393,9 @@ def test_a_draft_that_always_faults_is_tried_less_and_less_often(reference: list
     took = time.perf_counter() - t0
     assert [r.output_ids for r in reqs] == reference and _drafted(reqs) == 0
     tries, h = draft.calls["propose"], engine.health["draft"]
-    assert h.failures == h.faults == tries >= 2
-    # the n-th fault waits probe_s * 2^n before the next try, so n tries take at least probe_s * (2^n - 2)
-    assert tries <= math.log2(took / engine.config.worker_probe_s + 2) + 1 < steps / 4
+    assert h.failures == tries and h.faults >= 2 and tries - h.faults <= DRAFT_TRIES * len(reqs)
+    # the n-th batch fault waits probe_s * 2^n before the next try, so n of them take at least probe_s * (2^n - 2)
+    assert h.faults <= math.log2(took / engine.config.worker_probe_s + 2) + 1 < steps / 4
 
 
 def test_a_fault_doubles_the_wait_up_to_its_cap_and_a_long_healthy_run_restarts_the_count() -> None:

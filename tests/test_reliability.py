@@ -4,7 +4,8 @@ module), with the tiny random-weight Qwen2 pair and the real tokenizer:
 - the draft, the target and the controller actor are killed (`ray.kill`, Ray restarts them) in the middle of
   concurrent streams: every request completes with exactly its target-only output (T=0); speculation resumes;
 - the target actor raises on one request (an error injected into the live actor with `__ray_call__`): only that
-  stream ends with an error; the others complete exactly;
+  stream ends with an error; the others complete exactly; the draft actor raises on one request: that request goes
+  on target-only (its output exact) while the others speculate;
 - a target that does not come back ends each request with a clear error after the configured wait (503 / an error
   event), and Serve replaces the replica, which then answers again;
 - 200 streams cancelled at random points leave no state anywhere (engine, both workers' KV slots, controller);
@@ -336,13 +337,72 @@ def test_a_target_fault_one_request_causes_ends_only_that_request(svc: Service, 
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference(prompts[0], 20)  # healed
 
 
+def _poison_propose(host: Any, seed: int) -> None:
+    """Run inside the draft actor (__ray_call__): its propose raises, as a kernel that breaks on one request's data
+    would, whenever the request of sampling seed `seed` is in the call."""
+    worker = host.worker
+    propose = worker.propose
+
+    def faulty(tasks: list[Any], stop: Any = None) -> list[Any]:
+        if any(worker.slots[t.slot].params.seed == seed for t in tasks):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return propose(tasks, stop)
+
+    worker.propose = faulty
+
+
+def _heal_propose(host: Any) -> None:
+    del host.worker.propose
+
+
+def test_a_draft_fault_one_request_causes_turns_speculation_off_for_that_request_only(svc: Service,
+                                                                                      reference: Any) -> None:
+    """The draft actor raises (and lives on) whenever one request is in its call: that request goes on target-only
+    and its stream completes exactly; a request sent while it still runs drafts (before, speculation stayed off for
+    every request until the faulty one ended), and its output is exact too."""
+    (bad_prompt, bad_tokens), (prompt, max_tokens), seed = (PROMPTS[5], 230), (PROMPTS[6], 16), 4343
+    reference(bad_prompt, bad_tokens)
+    failures_before = svc.metric("ray_dsde_worker_failures_total", worker="draft")
+    draft = svc.actor("draft")
+    ray.get(draft.__ray_call__.remote(_poison_propose, seed))
+    try:
+        async def main() -> tuple[StreamResult, Any, bool]:
+            async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+                bad = asyncio.create_task(stream(client, f"{svc.v1}/completions", {
+                    "model": MODEL, "prompt": bad_prompt, "max_tokens": bad_tokens, "temperature": 0, "seed": seed}))
+                for _ in range(600):  # its first draft call faults; then it is tried alone twice
+                    state = (await client.get(f"{svc.base}/admin/state", headers=AUTH)).json()
+                    if state["draft_off"] == 1 or bad.done():
+                        break
+                    await asyncio.sleep(0.05)
+                r = await client.post(f"{svc.v1}/completions", headers=AUTH, json={
+                    "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+                overlapped = not bad.done()
+                return await asyncio.wait_for(bad, TIMEOUT), r, overlapped
+
+        bad, r, overlapped = asyncio.run(main())
+    finally:
+        ray.get(draft.__ray_call__.remote(_heal_propose))
+    _assert_exact([bad], [bad_prompt], bad_tokens, reference)
+    assert bad.speculation is not None and bad.speculation["drafted"] == 0  # the last chunk carries it
+    assert overlapped, "the faulty request ended before the other one: nothing to compare (a slower machine?)"
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference(prompt, max_tokens), r.text
+    assert r.json()["speculation"]["drafted"] > 0  # the draft drafts for everyone else
+    w = _worker(svc, "draft")
+    assert w["up"] and "illegal memory access" in w["last_error"]
+    _assert_no_state_left(svc)  # draft_tried_alone and draft_off too
+    wait_for(lambda: svc.metric("ray_dsde_worker_failures_total", worker="draft") >= failures_before + 3, 30,
+             what="worker_failures_total{draft} to count the batch's fault and the two alone")
+
+
 # ---- cancellation and load --------------------------------------------------------------------------------
 def _assert_no_state_left(svc: Service) -> dict[str, Any]:
     def empty() -> dict[str, Any] | None:
         s = svc.state()
         counts = (s["running"], s["waiting"], s["requests"], s["slots_in_use"], s["target_slots_open"],
-                  s["draft_slots_open"], s["controller_tracked"], s["tried_alone"])
-        return s if counts == (0, 0, 0, 0, 0, 0, 0, 0) else None
+                  s["draft_slots_open"], s["controller_tracked"], s["tried_alone"], s["draft_tried_alone"],
+                  s["draft_off"])
+        return s if not any(counts) else None
 
     return wait_for(empty, 30, interval=0.25, what="every piece of per-request state to be freed")
 
