@@ -290,6 +290,8 @@ class Engine:
                 r.finish_reason = "length"
                 break
         r.output_ids += new
+        logprobs = None if v.logprobs is None else v.logprobs[: len(new)]
+        r.logprobs += logprobs or []
         text = r.detok.add(new)
         if r.detok.stopped:
             r.finish_reason = "stop"
@@ -299,7 +301,8 @@ class Engine:
         if r.finished:
             text += r.detok.flush()
             r.stats.finish = now
-        out = RequestOutput(r.req_id, new, text, r.finished, r.finish_reason, stats=r.stats if r.finished else None)
+        out = RequestOutput(r.req_id, new, text, r.finished, r.finish_reason, stats=r.stats if r.finished else None,
+                            logprobs=logprobs)
         return self._emit(out, r)
 
     @staticmethod

@@ -19,6 +19,7 @@ from dsde_core.models.loader import DEFAULT_DRAFT, DEFAULT_TARGET, LoadedModel, 
 from dsde_core.models.runner import ModelRunner
 from dsde_core.policies import SpeculationPolicy, make_policy
 from dsde_core.request import RequestStats
+from dsde_core.sampling import TokenLogprob
 from dsde_core.workers import DraftWorker, TargetWorker
 
 
@@ -29,6 +30,7 @@ class GenerationResult:
     prompt_tokens: int
     finish_reason: str
     stats: RequestStats
+    logprobs: list[TokenLogprob] | None = None  # one per token, where SamplingParams.logprobs asks for them
 
 
 def eos_token_ids(loaded: LoadedModel) -> set[int]:
@@ -106,8 +108,8 @@ class SpeculativeLLM:
             ids = self.encode(prompt, chat) if isinstance(prompt, str) else list(prompt)
             reqs.append(self.engine.add_request(ids, p, spec))
         self.engine.run()
-        return [GenerationResult(r.text, list(r.output_ids), len(r.prompt_ids), r.finish_reason or "", r.stats)
-                for r in reqs]
+        return [GenerationResult(r.text, list(r.output_ids), len(r.prompt_ids), r.finish_reason or "", r.stats,
+                                 None if r.params.logprobs is None else r.logprobs) for r in reqs]
 
 
 def _policy(policy: str | SpeculationPolicy) -> SpeculationPolicy:

@@ -9,6 +9,7 @@ from typing import Any
 
 from dsde_core.config import SamplingParams, SpeculationParams
 from dsde_core.detokenize import TextStream
+from dsde_core.sampling import TokenLogprob
 
 
 @dataclass
@@ -94,6 +95,7 @@ class RequestOutput:
     error: str | None = None
     stats: RequestStats | None = None  # set on the last output of a request
     error_type: str | None = None  # with an error: "unavailable" (a worker did not come back in time) or None
+    logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, where the request asks for them
 
 
 @dataclass
@@ -112,6 +114,7 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, where params ask for them
 
     @property
     def tokens(self) -> list[int]:

@@ -50,6 +50,28 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return torch.softmax(_filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p), dim=-1)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An output token's log-probability under the target's own distribution (its logits at temperature 1, before
+    top-k / top-p: what the model believes, whatever the request samples with), and the n likeliest tokens at its
+    position, likeliest first. Speculation changes none of it: the target's logits at a verified position are those
+    of the same prefix decoded target-only."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], n: int) -> list[TokenLogprob]:
+    """logits [m, V] at the positions that produced `tokens` (m >= len(tokens)) -> each token's log p and the top n."""
+    lp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)  # [t, V]
+    chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()  # [t]
+    if n == 0:
+        return [TokenLogprob(c) for c in chosen]
+    top = lp.topk(n, dim=-1)  # [t, n]
+    return [TokenLogprob(c, tuple(zip(ids, vals, strict=True)))
+            for c, ids, vals in zip(chosen, top.indices.tolist(), top.values.tolist(), strict=True)]
+
+
 @dataclass
 class DraftDist:
     """The draft's distribution at one position, sparse. ids [K]; both prob vectors [K] fp32."""

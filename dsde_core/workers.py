@@ -28,11 +28,13 @@ from dsde_core.policies.adaedl import entropy_confidence, should_stop
 from dsde_core.policies.stopping import CONFIDENCE_AS_P, AcceptModel, DraftStop
 from dsde_core.sampling import (
     DraftDist,
+    TokenLogprob,
     draft_dist,
     make_generator,
     sample_draft,
     signal_temperature,
     target_probs,
+    token_logprobs,
     verify_greedy,
     verify_stochastic,
 )
@@ -71,6 +73,7 @@ class Verdict:
     tokens: list[int]  # accepted draft tokens + one correction or bonus token
     accepted: int
     kld: list[float]  # [k'] KL(target || draft) at each proposed position (sparse, at the signal temperature)
+    logprobs: list[TokenLogprob] | None = None  # one per token, where the request asks for them
 
 
 @dataclass
@@ -239,4 +242,5 @@ class TargetWorker(_Worker):
             p_ids = (z.gather(-1, ids) - torch.logsumexp(z, dim=-1, keepdim=True)).exp()  # [k, K]
             q_sig = torch.stack([d.q_signal for d in prop.dists])  # [k, K]
             kld = sparse_kld_at(p_ids, q_sig).tolist()
-        return Verdict(slot, tokens, len(tokens) - 1, kld)
+        n = s.params.logprobs
+        return Verdict(slot, tokens, len(tokens) - 1, kld, None if n is None else token_logprobs(logits, tokens, n))

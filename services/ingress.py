@@ -435,7 +435,7 @@ class DSDEServer:
     async def _generate(self, body: CompletionRequest | ChatCompletionRequest, ids: list[int], chat: bool) -> Any:
         params = self._params(body, ids)
         self._admit()
-        reply = Reply(self.model, chat, len(ids))
+        reply = Reply(self.model, chat, len(ids), decode=None if params.logprobs is None else self._token_text)
         # the request joins the engine's queue now (the queue bound above counts it at once)
         outputs = self._track(self.aengine.submit(ids, params, body.speculation.params(), reply.id), reply)
         self.metrics.on_admit(len(ids))
@@ -452,6 +452,9 @@ class DSDEServer:
             raise APIError(status, (last and last.error) or "generation failed", headers=headers)
         return reply.body("".join(text), last.finish_reason, last.stats)
 
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
     def _cancel(self, req_id: str) -> None:
         if req_id in self.engine.requests:  # not finished: free it at the next step
             self.aengine.cancel(req_id)
@@ -464,7 +467,7 @@ class DSDEServer:
             timed = with_deadline(outputs, self.cfg.request_timeout_s, reply.id)
             async with contextlib.aclosing(timed):
                 async for out in timed:
-                    reply.completion_tokens += len(out.token_ids)
+                    reply.record(out)
                     self.metrics.on_output(out)
                     last = out
                     yield out

@@ -1,8 +1,9 @@
 """The OpenAI-compatible request bodies (pydantic, with bounds) and the error body.
 
 Fields the OpenAI client may send that this server does not implement are accepted at their neutral value
-(n=1, no logprobs, zero penalties) and rejected otherwise with a 400 naming the field; unknown fields are
-ignored, as OpenAI-compatible servers do.
+(n=1, zero penalties, no echo) and rejected otherwise with a 400 naming the field; unknown fields are
+ignored, as OpenAI-compatible servers do. Log-probabilities: completions' `logprobs` (0-20 alternatives), chat's
+`logprobs` (true) with `top_logprobs` (0-20).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from dsde_core.config import SamplingParams, SpeculationParams
+from dsde_core.config import MAX_LOGPROBS, SamplingParams, SpeculationParams
 
 MAX_STOP = 16
 MAX_STOP_CHARS = 256  # per stop string
@@ -63,7 +64,6 @@ class _Common(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: Any = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     speculation: SpeculationOptions = Field(default_factory=SpeculationOptions)
@@ -86,13 +86,6 @@ class _Common(BaseModel):
             raise ValueError(f"each stop string must be at most {MAX_STOP_CHARS} characters, got {longest}")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: Any) -> Any:
-        if v not in (None, False, 0):
-            raise ValueError("logprobs are not supported")
-        return v
-
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
     def _no_penalty(cls, v: float) -> float:
@@ -104,7 +97,11 @@ class _Common(BaseModel):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         temperature = 0.0 if self.temperature < GREEDY_BELOW else self.temperature
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=self.top_p,
-                              top_k=max(0, self.top_k), seed=self.seed, stop=stop)
+                              top_k=max(0, self.top_k), seed=self.seed, stop=stop, logprobs=self.logprob_count())
+
+    def logprob_count(self) -> int | None:
+        """Alternatives per output token to report with its log-probability; None: no log-probabilities."""
+        raise NotImplementedError
 
     @property
     def include_usage(self) -> bool:
@@ -115,6 +112,10 @@ class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1, le=1 << 20)  # OpenAI's default for completions
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token (None: none)
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -153,12 +154,23 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
     def _max_tokens_alias(self) -> ChatCompletionRequest:
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         return self
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat(self) -> list[dict[str, str]]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]

@@ -153,6 +153,41 @@ def test_streaming_completion_and_chat(tiny_app: App, reference_llm: Speculative
     assert chunks[-1].choices[0].finish_reason in ("length", "stop")
 
 
+def test_log_probabilities_through_the_openai_client(tiny_app: App, reference_llm: SpeculativeLLM) -> None:
+    """Completions' and chat's logprobs, plain and streamed: one entry per completion token, each its id decoded
+    alone with the target's log p (the in-process engine's, target-only) and its likeliest alternatives."""
+    client, decode = tiny_app.client(), reference_llm.tokenizer.decode
+    [ref] = reference_llm.generate([PROMPTS[2]], SamplingParams(max_tokens=20, logprobs=2), policy="off")
+    res = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=20, temperature=0, logprobs=2)
+    lp = res.choices[0].logprobs
+    assert res.choices[0].text == ref.text and res.usage.completion_tokens == len(ref.token_ids)
+    assert lp.tokens == [decode([t]) for t in ref.token_ids]
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in ref.logprobs], abs=1e-4)
+    assert [max(d.values()) for d in lp.top_logprobs] == pytest.approx([x.top[0][1] for x in ref.logprobs], abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert res.model_extra["speculation"]["drafted"] > 0  # verified drafts, and still the target's numbers
+
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=20, temperature=0,
+                                            logprobs=2, stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for x in streamed for t in x.tokens] == lp.tokens
+    assert [o for x in streamed for o in x.text_offset] == lp.text_offset
+    assert [v for x in streamed for v in x.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-4)
+
+    prompt = "Name three rivers."
+    [ref] = reference_llm.generate([prompt], SamplingParams(max_tokens=12, logprobs=3), policy="off", chat=True)
+    res = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=12,
+                                         temperature=0, logprobs=True, top_logprobs=3)
+    content = res.choices[0].logprobs.content
+    assert [e.token for e in content] == [decode([t]) for t in ref.token_ids]
+    assert [e.logprob for e in content] == pytest.approx([x.logprob for x in ref.logprobs], abs=1e-4)
+    assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-6)
+               and e.bytes == list(e.token.encode()) for e in content)
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=4,
+                                           temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
 def test_raw_sse_framing(tiny_app: App) -> None:
     import httpx
 
@@ -265,7 +300,9 @@ BAD_REQUESTS = [
     ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": TINY_SEQ_LEN}, 400, str(TINY_SEQ_LEN)),
     ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"max_sl": 100}}, 400, "max_sl"),
     ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"bogus": 1}}, 400, "bogus"),
-    ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "top_logprobs needs logprobs"),
     ("completions", {"model": MODEL, "prompt": "hi", "stream": True, "max_tokens": 10**6}, 400, "context window"),
     ("chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user"}], "max_tokens": 2000}, 400, "2000"),

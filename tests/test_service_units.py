@@ -12,6 +12,8 @@ from pydantic import ValidationError
 from dsde_core.config import SamplingParams
 from dsde_core.errors import ConfigError
 from dsde_core.policies import CappedPolicy, DSDEPolicy, SeqInfo, StaticPolicy
+from dsde_core.request import RequestOutput
+from dsde_core.sampling import TokenLogprob
 from services.config import PolicyConfig, ServiceConfig, build_policy
 from services.controller import Controller
 from services.metrics import METRICS, exported_name
@@ -162,10 +164,19 @@ def test_request_models_bound_their_fields() -> None:
                                  max_completion_tokens=7)
     assert chat.max_tokens == 7 and chat.chat() == [{"role": "user", "content": "a"}]
     for bad in [dict(n=2), dict(temperature=2.5), dict(top_p=0), dict(max_tokens=0), dict(prompt=["a", "b"]),
-                dict(logprobs=3), dict(presence_penalty=1.0), dict(speculation={"max_sl": 65}),
+                dict(logprobs=21), dict(logprobs=-1), dict(presence_penalty=1.0), dict(speculation={"max_sl": 65}),
                 dict(speculation={"policy": "x"}), dict(stop=[""]), dict(seed=-1), dict(echo=True)]:
         with pytest.raises(ValidationError):
             CompletionRequest(**{"model": "m", "prompt": "hi", **bad})
+    assert CompletionRequest(model="m", prompt="hi", logprobs=0).sampling(5).logprobs == 0
+    assert CompletionRequest(model="m", prompt="hi").sampling(5).logprobs is None
+    user = [{"role": "user", "content": "x"}]
+    assert ChatCompletionRequest(model="m", messages=user, logprobs=True, top_logprobs=5).sampling(5).logprobs == 5
+    assert ChatCompletionRequest(model="m", messages=user, logprobs=True).sampling(5).logprobs == 0
+    assert ChatCompletionRequest(model="m", messages=user, top_logprobs=0).sampling(5).logprobs is None
+    for bad in [dict(top_logprobs=2), dict(logprobs=True, top_logprobs=21), dict(logprobs=3)]:
+        with pytest.raises(ValidationError):
+            ChatCompletionRequest(model="m", messages=user, **bad)
     with pytest.raises(ValidationError):
         ChatCompletionRequest(model="m", messages=[])
     with pytest.raises(ValidationError):
@@ -181,6 +192,34 @@ def test_response_shapes() -> None:
     assert reply.chunk("", role=True)["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert error_body("bad", 400)["error"] == {"message": "bad", "type": "invalid_request_error", "code": 400,
                                                "param": None}
+
+
+def test_log_probabilities_in_openais_two_shapes() -> None:
+    """Completions: tokens, token_logprobs, top_logprobs, text_offset (continued across chunks); chat: content
+    entries with bytes; a chunk carries what was recorded since the last one; none without the ask."""
+    decode = {1: "ab", 2: "c", 3: "é"}.__getitem__
+    outs = [RequestOutput("r", [1, 2], "abc", logprobs=[TokenLogprob(-0.1, ((1, -0.1), (3, -2.0))),
+                                                         TokenLogprob(-0.5, ((2, -0.5), (1, -1.5)))]),
+            RequestOutput("r", [3], "é", True, "length", logprobs=[TokenLogprob(-0.25, ((3, -0.25), (2, -3.0)))])]
+    reply = Reply("m", chat=False, prompt_tokens=1, decode=decode)
+    reply.record(outs[0])
+    first = reply.chunk("abc")["choices"][0]["logprobs"]
+    assert first == {"tokens": ["ab", "c"], "token_logprobs": [-0.1, -0.5], "text_offset": [0, 2],
+                     "top_logprobs": [{"ab": -0.1, "é": -2.0}, {"c": -0.5, "ab": -1.5}]}
+    reply.record(outs[1])
+    assert reply.chunk("é", "length")["choices"][0]["logprobs"]["text_offset"] == [3]
+    assert reply.chunk("", "length")["choices"][0]["logprobs"]["tokens"] == []  # sent once
+    chat = Reply("m", chat=True, prompt_tokens=1, decode=decode)
+    for out in outs:
+        chat.record(out)
+    content = chat.body("abcé", "length", None)["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == ["ab", "c", "é"] and content[2]["bytes"] == [0xC3, 0xA9]
+    assert content[0]["top_logprobs"] == [{"token": "ab", "logprob": -0.1, "bytes": [97, 98]},
+                                          {"token": "é", "logprob": -2.0, "bytes": [0xC3, 0xA9]}]
+    assert chat.completion_tokens == 3 and chat.chunk("", role=True)["choices"][0]["logprobs"] is None
+    plain = Reply("m", chat=False, prompt_tokens=1)
+    plain.record(outs[0])
+    assert plain.body("abc", "length", None)["choices"][0]["logprobs"] is None
 
 
 # ---- the command --------------------------------------------------------------------------------------

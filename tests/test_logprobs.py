@@ -1,0 +1,93 @@
+"""Log-probabilities: each output token's log p under the target and its n likeliest alternatives, exactly what one
+plain forward of the target (transformers' own model) over prompt + output gives, whether the tokens were drafted
+and verified or decoded target-only, greedy or sampled."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import pytest
+import torch
+from transformers import Qwen2ForCausalLM
+
+from dsde_core.config import SamplingParams
+from dsde_core.errors import ConfigError
+from dsde_core.request import RequestOutput
+from dsde_core.sampling import TokenLogprob
+from tests.tiny import DEVICE, random_prompts, tiny_engine, tiny_state
+
+PROMPTS = random_prompts(6, seed=5)
+MAX_TOKENS, TOP = 24, 3
+
+
+@lru_cache(maxsize=1)
+def _hf_target() -> Qwen2ForCausalLM:
+    config, state = tiny_state()
+    model = Qwen2ForCausalLM(config).float().eval()
+    model.load_state_dict(state)
+    return model.to(DEVICE)
+
+
+def _reference(prompt: list[int], output: list[int]) -> torch.Tensor:
+    """[len(output), V]: log-softmax of the target's logits at each output position, one forward over everything."""
+    with torch.no_grad():
+        logits = _hf_target()(torch.tensor([prompt + output], device=DEVICE)).logits[0].float()
+    return torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1).cpu()
+
+
+@pytest.mark.parametrize(("policy", "temperature"), [("off", 0.0), ("static:4", 0.0), ("dsde", 0.0),
+                                                     ("static:4", 1.0)])
+def test_each_output_token_carries_the_targets_log_probability_and_its_likeliest_alternatives(
+        policy: str, temperature: float) -> None:
+    engine = tiny_engine(policy)
+    streamed: dict[str, list[RequestOutput]] = {}
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, temperature=temperature, seed=i, logprobs=TOP),
+                               on_output=lambda out: streamed.setdefault(out.req_id, []).append(out))
+            for i, p in enumerate(PROMPTS)]
+    engine.run()
+    for r in reqs:
+        assert len(r.logprobs) == len(r.output_ids) == MAX_TOKENS
+        ref = _reference(r.prompt_ids, r.output_ids)
+        for j, (token, lp) in enumerate(zip(r.output_ids, r.logprobs, strict=True)):
+            assert lp.logprob == pytest.approx(ref[j, token].item(), abs=1e-4)
+            assert len(lp.top) == TOP  # likeliest first; each its own log p (ties may order either way)
+            assert [v for _, v in lp.top] == pytest.approx(ref[j].topk(TOP).values.tolist(), abs=1e-4)
+            assert all(v == pytest.approx(ref[j, i].item(), abs=1e-4) for i, v in lp.top)
+            if temperature == 0:
+                assert token == lp.top[0][0] and lp.logprob == lp.top[0][1]  # greedy: the likeliest token
+        outs = streamed[r.req_id]  # each output carries its own tokens' log-probabilities, in order
+        assert all(len(o.logprobs or []) == len(o.token_ids) for o in outs)
+        assert [lp for o in outs for lp in o.logprobs or []] == r.logprobs
+    if policy != "off":
+        assert sum(r.stats.drafted for r in reqs) > 0 and sum(r.stats.accepted for r in reqs) > 0
+
+
+def test_without_the_ask_no_log_probability_is_computed_or_sent() -> None:
+    engine = tiny_engine("static:4")
+    outs: list[RequestOutput] = []
+    r = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=8), on_output=outs.append)
+    bare = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=8, logprobs=0))
+    engine.run()
+    assert r.logprobs == [] and all(o.logprobs is None for o in outs)
+    assert len(bare.logprobs) == 8 and all(isinstance(lp, TokenLogprob) and lp.top == () for lp in bare.logprobs)
+
+
+def test_an_eos_cuts_the_log_probabilities_with_the_tokens() -> None:
+    """A step's tokens after an end-of-sequence token are dropped, and so are their log-probabilities."""
+    ref_engine = tiny_engine("off")
+    first = ref_engine.add_request(PROMPTS[2], SamplingParams(max_tokens=MAX_TOKENS))
+    ref_engine.run()
+    eos = first.output_ids[10]  # stops the request at the first occurrence of this token
+    engine = tiny_engine("static:4", eos=(eos,))
+    r = engine.add_request(PROMPTS[2], SamplingParams(max_tokens=MAX_TOKENS, logprobs=1))
+    engine.run()
+    assert r.finish_reason == "stop" and eos not in r.output_ids and len(r.logprobs) == len(r.output_ids)
+    ref = _reference(r.prompt_ids, r.output_ids)
+    assert [lp.logprob for lp in r.logprobs] == pytest.approx([ref[j, t].item() for j, t in enumerate(r.output_ids)],
+                                                              abs=1e-4)
+
+
+@pytest.mark.parametrize("n", [-1, 21, 1.5])
+def test_a_bad_logprobs_count_is_refused(n: object) -> None:
+    with pytest.raises(ConfigError, match="logprobs must be an integer in"):
+        SamplingParams(logprobs=n)  # type: ignore[arg-type]
