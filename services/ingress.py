@@ -31,6 +31,7 @@ import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -211,6 +212,48 @@ def _openapi() -> dict[str, Any]:
 
 
 app.openapi = _openapi  # type: ignore[method-assign]
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index`'s sampling: seed + index where a seed is given (the same seed would draw the same text)."""
+    return params if index == 0 or params.seed is None else replace(params, seed=params.seed + index)
+
+
+async def _collect(outputs: AsyncIterator[RequestOutput]) -> tuple[str, RequestOutput | None]:
+    """A choice's whole text and its last output (None if it produced none)."""
+    text, last = [], None
+    async with contextlib.aclosing(outputs):
+        async for out in outputs:
+            text.append(out.text)
+            last = out
+    return "".join(text), last
+
+
+async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The choices' outputs as they come, each with its index; closing it closes (so cancels) every choice."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    queue.put_nowait((i, out))
+        finally:
+            queue.put_nowait((i, None))  # this choice is done
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        live = len(tasks)
+        while live:
+            i, out = await queue.get()
+            if out is None:
+                live -= 1
+            else:
+                yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class _Stream(StreamingResponse):
@@ -420,54 +463,64 @@ class DSDEServer:
             raise APIError(400, str(e), "max_tokens" if "context window" in str(e) else None) from None
         return params
 
-    def _admit(self) -> None:
-        """Refuse a request the engine must not take: 503 while draining, 429 when the queue is full."""
+    def _admit(self, n: int = 1) -> None:
+        """Refuse a request the engine must not take: 503 while draining, 429 when the queue has no room for its n
+        choices (400 where it never could)."""
         retry = {"Retry-After": str(self.cfg.retry_after_s)}
         if self.draining:
             raise APIError(503, "the server is shutting down and takes no new requests", type_="server_error",
                            headers=retry)
         limit = self.cfg.max_batch_size + self.cfg.max_queue
-        if len(self.engine.requests) >= limit:
+        if n > limit:
+            raise APIError(400, f"n={n} choices exceed this server's capacity of {limit} requests "
+                                f"(max_batch_size + max_queue)", "n")
+        if len(self.engine.requests) + n > limit:
             raise APIError(429, f"the server is at capacity ({self.cfg.max_batch_size} running and "
                                 f"{self.cfg.max_queue} waiting requests); retry after {self.cfg.retry_after_s}s",
                            type_="rate_limit_error", headers=retry)
 
     async def _generate(self, body: CompletionRequest | ChatCompletionRequest, ids: list[int], chat: bool) -> Any:
         params = self._params(body, ids)
-        self._admit()
-        reply = Reply(self.model, chat, len(ids), decode=None if params.logprobs is None else self._token_text)
-        # the request joins the engine's queue now (the queue bound above counts it at once)
-        outputs = self._track(self.aengine.submit(ids, params, body.speculation.params(), reply.id), reply)
-        self.metrics.on_admit(len(ids))
+        self._admit(body.n)
+        reply = Reply(self.model, chat, len(ids), body.n, decode=None if params.logprobs is None else self._token_text)
+        # each choice joins the engine's queue now (the queue bound above counts it at once)
+        outputs = [self._track(self.aengine.submit(ids, choice_params(params, i), body.speculation.params(),
+                                                   reply.request_id(i)), reply, i) for i in range(body.n)]
+        for _ in outputs:
+            self.metrics.on_admit(len(ids))
         if body.stream:
-            return _Stream(self._stream(outputs, reply, body.include_usage), on_close=lambda: self._cancel(reply.id))
-        text, last = [], None
-        async with contextlib.aclosing(outputs):  # no await before this: the generator's finally frees the request
-            async for out in outputs:
-                text.append(out.text)
-                last = out
-        if last is None or last.finish_reason == "error":
-            status = ERROR_STATUS.get(last.error_type, 500) if last is not None else 500
-            headers = {"Retry-After": str(self.cfg.retry_after_s)} if status == 503 else None
-            raise APIError(status, (last and last.error) or "generation failed", headers=headers)
-        return reply.body("".join(text), last.finish_reason, last.stats)
+            return _Stream(self._stream(merge(outputs), reply, body.include_usage),
+                           on_close=lambda: self._cancel_all(reply))
+        try:
+            finals = await asyncio.gather(*(_collect(o) for o in outputs))
+        finally:  # a choice whose task never started (the client left at once) is cancelled here
+            self._cancel_all(reply)
+        for _, last in finals:
+            if last is None or last.finish_reason == "error":
+                status = ERROR_STATUS.get(last.error_type, 500) if last is not None else 500
+                headers = {"Retry-After": str(self.cfg.retry_after_s)} if status == 503 else None
+                raise APIError(status, (last and last.error) or "generation failed", headers=headers)
+        return reply.body([(text, last.finish_reason, last.stats) for text, last in finals])
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def _cancel(self, req_id: str) -> None:
-        if req_id in self.engine.requests:  # not finished: free it at the next step
-            self.aengine.cancel(req_id)
+    def _cancel_all(self, reply: Reply) -> None:
+        for i in range(reply.n):
+            req_id = reply.request_id(i)
+            if req_id in self.engine.requests:  # not finished: free it at the next step
+                self.aengine.cancel(req_id)
 
-    async def _track(self, outputs: AsyncIterator[RequestOutput], reply: Reply) -> AsyncIterator[RequestOutput]:
-        """A request's outputs (ended by an error output at request_timeout_s), counted into `reply` and the
+    async def _track(self, outputs: AsyncIterator[RequestOutput], reply: Reply, index: int = 0
+                     ) -> AsyncIterator[RequestOutput]:
+        """A choice's outputs (ended by an error output at request_timeout_s), counted into `reply` and the
         metrics; closing it early cancels the request."""
         last = None
         try:
-            timed = with_deadline(outputs, self.cfg.request_timeout_s, reply.id)
+            timed = with_deadline(outputs, self.cfg.request_timeout_s, reply.request_id(index))
             async with contextlib.aclosing(timed):
                 async for out in timed:
-                    reply.record(out)
+                    reply.record(out, index)
                     self.metrics.on_output(out)
                     last = out
                     yield out
@@ -475,19 +528,20 @@ class DSDEServer:
             finished = last is not None and last.finished
             self.metrics.on_finish(last.finish_reason if finished else "cancelled", last.stats if finished else None)
 
-    async def _stream(self, outputs: AsyncIterator[RequestOutput], reply: Reply, include_usage: bool
+    async def _stream(self, outputs: AsyncIterator[tuple[int, RequestOutput]], reply: Reply, include_usage: bool
                       ) -> AsyncIterator[str]:
         async with contextlib.aclosing(outputs):
             if reply.chat:
-                yield sse(reply.chunk("", role=True))
-            async for out in outputs:
-                if out.finish_reason == "error":
+                for i in range(reply.n):
+                    yield sse(reply.chunk("", role=True, index=i))
+            async for i, out in outputs:
+                if out.finish_reason == "error":  # one choice failed: the stream ends (the others are cancelled)
                     yield sse(error_body(out.error or "generation failed", ERROR_STATUS.get(out.error_type, 500)))
                     break
                 if out.text:
-                    yield sse(reply.chunk(out.text))
+                    yield sse(reply.chunk(out.text, index=i))
                 if out.finished:
-                    yield sse(reply.chunk(None if reply.chat else "", out.finish_reason, stats=out.stats))
+                    yield sse(reply.chunk(None if reply.chat else "", out.finish_reason, stats=out.stats, index=i))
             if include_usage:
                 yield sse(reply.usage_chunk())
             yield DONE

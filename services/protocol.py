@@ -1,7 +1,7 @@
 """The OpenAI-compatible request bodies (pydantic, with bounds) and the error body.
 
 Fields the OpenAI client may send that this server does not implement are accepted at their neutral value
-(n=1, zero penalties, no echo) and rejected otherwise with a 400 naming the field; unknown fields are
+(zero penalties, no echo) and rejected otherwise with a 400 naming the field; unknown fields are
 ignored, as OpenAI-compatible servers do. Log-probabilities: completions' `logprobs` (0-20 alternatives), chat's
 `logprobs` (true) with `top_logprobs` (0-20).
 """
@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from dsde_core.config import MAX_LOGPROBS, SamplingParams, SpeculationParams
 
 MAX_STOP = 16
+MAX_N = 16  # choices per request
 MAX_STOP_CHARS = 256  # per stop string
 GREEDY_BELOW = 1e-5  # a temperature under this is greedy (as in vLLM): 1 / T would overflow the logits
 
@@ -61,19 +62,12 @@ class _Common(BaseModel):
     top_k: int = Field(default=0, ge=-1, le=1 << 20)  # -1 or 0: no top-k (vLLM's convention)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)  # choices: n engine requests (choice i samples with seed + i)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     speculation: SpeculationOptions = Field(default_factory=SpeculationOptions)
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(f"only n=1 is supported, got n={v}")
-        return v
 
     @field_validator("stop")
     @classmethod

@@ -1,7 +1,11 @@
 """OpenAI response bodies and server-sent-event chunks, from the engine's outputs.
 
 Beside the standard fields, every final body (and the last chunk of a stream) carries `speculation`: the
-request's drafted and accepted tokens, acceptance rate, mean speculation length and target steps.
+request's drafted and accepted tokens, acceptance rate, mean speculation length and target steps (a body's over all
+its choices; a stream's on each choice's last chunk, that choice's).
+
+A request for n choices is n engine requests (choice i samples with seed + i where a seed is given); a stream
+interleaves their chunks, each with its choice's index, and `usage` counts the prompt once and every choice's tokens.
 
 Log-probabilities, where a request asks for them, in OpenAI's two shapes: completions' {tokens, token_logprobs,
 top_logprobs, text_offset} (offsets into the completion's text) and chat's {content: [{token, logprob, bytes,
@@ -35,80 +39,114 @@ def speculation_stats(stats: RequestStats | None) -> dict[str, Any] | None:
             "mean_sl": stats.mean_sl, "mean_accepted_length": stats.mean_accepted_length, "steps": stats.steps}
 
 
+def combined(stats: list[RequestStats | None]) -> RequestStats | None:
+    """The speculation figures of several choices as one request's (their sums; rates over the sums)."""
+    known = [s for s in stats if s is not None]
+    if len(known) <= 1:
+        return known[0] if known else None
+    return RequestStats(steps=sum(s.steps for s in known), drafted=sum(s.drafted for s in known),
+                        accepted=sum(s.accepted for s in known), sl=[k for s in known for k in s.sl])
+
+
+@dataclass
+class Choice:
+    """One choice's running totals: its tokens, and the log-probabilities not yet sent."""
+
+    index: int
+    decode: Callable[[int], str] | None = None  # a token's text; set where the request asks for logprobs
+    completion_tokens: int = 0
+    unsent: list[tuple[int, TokenLogprob]] = field(default_factory=list)  # recorded, not yet sent
+    offset: int = 0  # characters of the token texts sent (completions' text_offset)
+
+    def record(self, out: RequestOutput) -> None:
+        """Count one engine output's tokens and keep their log-probabilities for the next body or chunk."""
+        self.completion_tokens += len(out.token_ids)
+        self.unsent += zip(out.token_ids, out.logprobs or [], strict=False)
+
+    def logprobs(self, chat: bool) -> dict[str, Any] | None:
+        """The unsent tokens' log-probabilities in the endpoint's shape (None where none were asked for)."""
+        if self.decode is None:
+            return None
+        unsent, self.unsent = self.unsent, []
+        texts = [self.decode(t) for t, _ in unsent]
+        if chat:
+            return {"content": [{**_chat_entry(text, lp.logprob),
+                                 "top_logprobs": [_chat_entry(self.decode(i), v) for i, v in lp.top]}
+                                for text, (_, lp) in zip(texts, unsent, strict=True)], "refusal": None}
+        offsets = []
+        for text in texts:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": texts, "token_logprobs": [lp.logprob for _, lp in unsent],
+                "top_logprobs": [{self.decode(i): v for i, v in lp.top} for _, lp in unsent], "text_offset": offsets}
+
+
+def _chat_entry(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
 @dataclass
 class Reply:
-    """One request's identity and running totals; builds its bodies and chunks."""
+    """One request's identity and its n choices' running totals; builds its bodies and chunks."""
 
     model: str
     chat: bool
     prompt_tokens: int
+    n: int = 1
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     decode: Callable[[int], str] | None = None  # a token's text; set where the request asks for logprobs
-    completion_tokens: int = 0
-    _unsent: list[tuple[int, TokenLogprob]] = field(default_factory=list, init=False)  # recorded, not yet sent
-    _offset: int = field(default=0, init=False)  # characters of the token texts sent (completions' text_offset)
+    choices: list[Choice] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.choices = [Choice(i, self.decode) for i in range(self.n)]
 
     @property
     def object(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
 
+    def request_id(self, index: int) -> str:
+        """The engine's id for choice `index` (the reply's own id for a single choice)."""
+        return self.id if self.n == 1 else f"{self.id}-{index}"
+
+    def record(self, out: RequestOutput, index: int = 0) -> None:
+        self.choices[index].record(out)
+
     def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
-
-    def record(self, out: RequestOutput) -> None:
-        """Count one engine output's tokens and keep their log-probabilities for the next body or chunk."""
-        self.completion_tokens += len(out.token_ids)
-        self._unsent += zip(out.token_ids, out.logprobs or [], strict=False)
-
-    def _logprobs(self) -> dict[str, Any] | None:
-        """The unsent tokens' log-probabilities in this endpoint's shape (None where none were asked for)."""
-        if self.decode is None:
-            return None
-        unsent, self._unsent = self._unsent, []
-        texts = [self.decode(t) for t, _ in unsent]
-        if self.chat:
-            return {"content": [{**self._chat_entry(text, lp.logprob),
-                                 "top_logprobs": [self._chat_entry(self.decode(i), v) for i, v in lp.top]}
-                                for text, (_, lp) in zip(texts, unsent, strict=True)], "refusal": None}
-        offsets = []
-        for text in texts:
-            offsets.append(self._offset)
-            self._offset += len(text)
-        return {"tokens": texts, "token_logprobs": [lp.logprob for _, lp in unsent],
-                "top_logprobs": [{self.decode(i): v for i, v in lp.top} for _, lp in unsent], "text_offset": offsets}
-
-    @staticmethod
-    def _chat_entry(text: str, logprob: float) -> dict[str, Any]:
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        completion = sum(c.completion_tokens for c in self.choices)  # the prompt counts once, as OpenAI's n does
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def body(self, text: str, finish_reason: str | None, stats: RequestStats | None) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self._logprobs(),
-                      "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": self._logprobs(), "finish_reason": finish_reason}
-        return {**self._head(self.object), "choices": [choice], "usage": self.usage(),
-                "speculation": speculation_stats(stats)}
+    def body(self, finals: list[tuple[str, str | None, RequestStats | None]]) -> dict[str, Any]:
+        """The whole response from each choice's (text, finish_reason, stats), in index order."""
+        choices = []
+        for c, (text, finish_reason, _) in zip(self.choices, finals, strict=True):
+            if self.chat:
+                choices.append({"index": c.index, "message": {"role": "assistant", "content": text},
+                                "logprobs": c.logprobs(True), "finish_reason": finish_reason})
+            else:
+                choices.append({"index": c.index, "text": text, "logprobs": c.logprobs(False),
+                                "finish_reason": finish_reason})
+        return {**self._head(self.object), "choices": choices, "usage": self.usage(),
+                "speculation": speculation_stats(combined([stats for *_, stats in finals]))}
 
     def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
-              stats: RequestStats | None = None) -> dict[str, Any]:
+              stats: RequestStats | None = None, index: int = 0) -> dict[str, Any]:
+        c = self.choices[index]
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None if role else self._logprobs(),
+            choice = {"index": index, "delta": delta, "logprobs": None if role else c.logprobs(True),
                       "finish_reason": finish_reason}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": self._logprobs(), "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": c.logprobs(False),
+                      "finish_reason": finish_reason}
             out = {**self._head("text_completion"), "choices": [choice]}
         if stats is not None:
             out["speculation"] = speculation_stats(stats)

@@ -188,6 +188,34 @@ def test_log_probabilities_through_the_openai_client(tiny_app: App, reference_ll
     assert plain.choices[0].logprobs is None
 
 
+def test_n_choices_through_the_openai_client(tiny_app: App, reference_llm: SpeculativeLLM) -> None:
+    """n choices: each its own request, choice i sampled with seed + i (so equal to a single request with that seed),
+    the prompt counted once in usage; streamed, each chunk names its choice; greedy choices are the target's text."""
+    client, prompt = tiny_app.client(), PROMPTS[3]
+    # target-only: a sampled text then depends on its seed alone, not on how a policy drafted beside other requests
+    sample = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 1.0,
+              "extra_body": {"speculation": {"enabled": False}}}
+    res = client.completions.create(**sample, seed=7, n=3)
+    assert [c.index for c in res.choices] == [0, 1, 2]
+    singles = [client.completions.create(**sample, seed=7 + i) for i in range(3)]
+    assert [c.text for c in res.choices] == [s.choices[0].text for s in singles]
+    assert len({c.text for c in res.choices}) > 1  # three seeds, not one text three times
+    assert res.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert res.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    assert res.model_extra["speculation"]["steps"] == sum(s.model_extra["speculation"]["steps"] for s in singles)
+
+    chunks = list(client.completions.create(**sample, seed=7, n=3, stream=True,
+                                            stream_options={"include_usage": True}))
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)]
+    assert texts == [c.text for c in res.choices]
+    assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason) == 3
+    assert chunks[-1].usage.completion_tokens == res.usage.completion_tokens
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}],
+                                          max_tokens=10, temperature=0, n=2)
+    assert [c.message.content for c in chat.choices] == [_reference(reference_llm, "Say hi.", 10, chat=True)] * 2
+
+
 def test_raw_sse_framing(tiny_app: App) -> None:
     import httpx
 
@@ -289,7 +317,7 @@ def test_a_client_that_hangs_up_cancels_its_request(tiny_app: App, cluster: Clus
 
 
 BAD_REQUESTS = [
-    ("completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n=1"),
+    ("completions", {"model": MODEL, "prompt": "hi", "n": 17}, 400, "n"),
     ("completions", {"model": "no-such-model", "prompt": "hi"}, 404, "no-such-model"),
     ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
@@ -328,14 +356,14 @@ def test_malformed_json_and_unknown_route(tiny_app: App) -> None:
     with pytest.raises(openai.NotFoundError):
         tiny_app.client().completions.create(model="other", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError):
-        tiny_app.client().completions.create(model=MODEL, prompt="x", max_tokens=2, n=3)
+        tiny_app.client().completions.create(model=MODEL, prompt="x", max_tokens=2, n=40)
 
 
 def test_metrics_are_exported_with_the_documented_names(tiny_app: App, cluster: Cluster) -> None:
     client = tiny_app.client()
     client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=60, temperature=0)  # past DSDE's warm-up
     client.completions.create(model=MODEL, prompt="hi", max_tokens=4, extra_body={"speculation": {"enabled": False}})
-    http_post(f"{tiny_app.v1}/completions", {"model": MODEL, "prompt": "hi", "n": 2})  # an error to count
+    http_post(f"{tiny_app.v1}/completions", {"model": MODEL, "prompt": "hi", "n": 0})  # an error to count
     expected = {exported_name(name, kind) + ("_bucket" if kind == "histogram" else "")
                 for name, kind, *_ in METRICS if name != "dsde_worker_failures"}  # from a first failure on:
     # tests/test_reliability.py checks it

@@ -4,6 +4,7 @@ engine), request validation, response shapes, and the README's metrics table."""
 from __future__ import annotations
 
 import re
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -12,10 +13,11 @@ from pydantic import ValidationError
 from dsde_core.config import SamplingParams
 from dsde_core.errors import ConfigError
 from dsde_core.policies import CappedPolicy, DSDEPolicy, SeqInfo, StaticPolicy
-from dsde_core.request import RequestOutput
+from dsde_core.request import RequestOutput, RequestStats
 from dsde_core.sampling import TokenLogprob
 from services.config import PolicyConfig, ServiceConfig, build_policy
 from services.controller import Controller
+from services.ingress import choice_params, merge
 from services.metrics import METRICS, exported_name
 from services.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from services.responses import Reply
@@ -163,7 +165,8 @@ def test_request_models_bound_their_fields() -> None:
     chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [{"type": "text", "text": "a"}]}],
                                  max_completion_tokens=7)
     assert chat.max_tokens == 7 and chat.chat() == [{"role": "user", "content": "a"}]
-    for bad in [dict(n=2), dict(temperature=2.5), dict(top_p=0), dict(max_tokens=0), dict(prompt=["a", "b"]),
+    for bad in [dict(n=0), dict(n=17), dict(temperature=2.5), dict(top_p=0), dict(max_tokens=0),
+                dict(prompt=["a", "b"]),
                 dict(logprobs=21), dict(logprobs=-1), dict(presence_penalty=1.0), dict(speculation={"max_sl": 65}),
                 dict(speculation={"policy": "x"}), dict(stop=[""]), dict(seed=-1), dict(echo=True)]:
         with pytest.raises(ValidationError):
@@ -185,8 +188,8 @@ def test_request_models_bound_their_fields() -> None:
 
 def test_response_shapes() -> None:
     reply = Reply("m", chat=True, prompt_tokens=3)
-    reply.completion_tokens = 2
-    body = reply.body("hi", "stop", None)
+    reply.record(RequestOutput(reply.id, [5, 6], "hi"))
+    body = reply.body([("hi", "stop", None)])
     assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == "hi"
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     assert reply.chunk("", role=True)["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -212,14 +215,64 @@ def test_log_probabilities_in_openais_two_shapes() -> None:
     chat = Reply("m", chat=True, prompt_tokens=1, decode=decode)
     for out in outs:
         chat.record(out)
-    content = chat.body("abcé", "length", None)["choices"][0]["logprobs"]["content"]
+    content = chat.body([("abcé", "length", None)])["choices"][0]["logprobs"]["content"]
     assert [e["token"] for e in content] == ["ab", "c", "é"] and content[2]["bytes"] == [0xC3, 0xA9]
     assert content[0]["top_logprobs"] == [{"token": "ab", "logprob": -0.1, "bytes": [97, 98]},
                                           {"token": "é", "logprob": -2.0, "bytes": [0xC3, 0xA9]}]
-    assert chat.completion_tokens == 3 and chat.chunk("", role=True)["choices"][0]["logprobs"] is None
+    assert chat.usage()["completion_tokens"] == 3 and chat.chunk("", role=True)["choices"][0]["logprobs"] is None
     plain = Reply("m", chat=False, prompt_tokens=1)
     plain.record(outs[0])
-    assert plain.body("abc", "length", None)["choices"][0]["logprobs"] is None
+    assert plain.body([("abc", "length", None)])["choices"][0]["logprobs"] is None
+
+
+def test_n_choices_each_with_its_index_seed_and_tokens_and_the_prompt_counted_once() -> None:
+    reply = Reply("m", chat=False, prompt_tokens=4, n=3)
+    assert [reply.request_id(i) for i in range(3)] == [f"{reply.id}-{i}" for i in range(3)]
+    assert Reply("m", chat=False, prompt_tokens=4).request_id(0).startswith("cmpl-")
+    stats = [RequestStats(steps=2, drafted=4, accepted=2, sl=[2, 2]), None,
+             RequestStats(steps=3, drafted=0, sl=[0] * 3)]
+    for i, tokens in enumerate([[1, 2], [3], [4, 5, 6]]):
+        reply.record(RequestOutput("x", tokens, "t"), i)
+    body = reply.body([("a", "length", stats[0]), ("b", "stop", stats[1]), ("c", "length", stats[2])])
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "a", "length"), (1, "b", "stop"), (2, "c", "length")]
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}
+    spec = body["speculation"]  # over all choices
+    assert (spec["steps"], spec["drafted"], spec["accepted"], spec["mean_sl"]) == (5, 4, 2, 0.8)
+    assert reply.chunk("x", index=2)["choices"][0]["index"] == 2
+    base = SamplingParams(max_tokens=5, temperature=1.0, seed=7)
+    assert [choice_params(base, i).seed for i in range(3)] == [7, 8, 9]
+    assert choice_params(SamplingParams(), 2).seed is None and choice_params(base, 2).max_tokens == 5
+
+
+def test_merge_interleaves_the_choices_and_closing_it_closes_every_one() -> None:
+    import asyncio
+
+    closed: list[int] = []
+
+    async def choice(i: int, n: int) -> AsyncIterator[RequestOutput]:
+        try:
+            for j in range(n):
+                await asyncio.sleep(0.001 * (i + 1))
+                yield RequestOutput(f"r{i}", [j], f"{i}.{j}", j == n - 1)
+        finally:
+            closed.append(i)
+
+    async def run() -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+        whole = [(i, out.text) async for i, out in merge([choice(0, 3), choice(1, 2)])]
+        closed.clear()
+        stream, first = merge([choice(0, 50), choice(1, 50)]), []
+        async for i, out in stream:
+            first.append((i, out.text))
+            if len(first) == 3:
+                break
+        await stream.aclose()
+        return whole, first
+
+    whole, first = asyncio.run(run())
+    assert sorted(whole) == [(0, "0.0"), (0, "0.1"), (0, "0.2"), (1, "1.0"), (1, "1.1")]
+    assert [t for i, t in whole if i == 0] == ["0.0", "0.1", "0.2"]  # each choice in its order
+    assert len(first) == 3 and sorted(closed) == [0, 1]  # a client that leaves closes (cancels) both
 
 
 # ---- the command --------------------------------------------------------------------------------------
