@@ -289,12 +289,13 @@ class Engine:
             if len(r.output_ids) + len(new) >= r.params.max_tokens:
                 r.finish_reason = "length"
                 break
+        text = r.detok.add(new)
+        if r.detok.stopped:  # a stop string: the tokens after the one completing it are dropped
+            new = new[: r.detok.kept]
+            r.finish_reason = "stop"
         r.output_ids += new
         logprobs = None if v.logprobs is None else v.logprobs[: len(new)]
         r.logprobs += logprobs or []
-        text = r.detok.add(new)
-        if r.detok.stopped:
-            r.finish_reason = "stop"
         if new:
             r.stats.first_token = r.stats.first_token or now
             r.stats.token_times += [now] * len(new)

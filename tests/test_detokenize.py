@@ -35,6 +35,18 @@ def test_stop_string_across_token_borders_truncates_the_text() -> None:
     assert s.flush() == ""
 
 
+def test_a_stop_string_keeps_the_ids_up_to_the_one_that_completes_it() -> None:
+    """Several ids at once (a speculative step): those after the one completing the first stop string to end are
+    dropped, so the ids are those of decoding one token at a time."""
+    s = TextStream(CharTokenizer(), stop=("END", "bx"))
+    assert s.add([0]) == "a" and s.kept == 1
+    out = s.add([4, 5, 1, 6, 7])  # "END" ends at the 2nd id, "bx" at the 4th: the first to end wins
+    assert s.stopped and s.kept == 2 and s.ids == [0, 4, 5] and out == "" and s.text == "a"
+    t = TextStream(CharTokenizer(), stop=("bx", "xyz"))
+    out = t.add([0, 1, 6, 7, 8])  # "bx" ends first, though "xyz" starts after it
+    assert t.kept == 3 and t.ids == [0, 1, 6] and out == "a"
+
+
 def test_held_back_prefix_is_released_when_it_is_not_a_stop() -> None:
     s = TextStream(CharTokenizer(), stop=("END",))
     assert s.add([4]) == ""

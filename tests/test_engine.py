@@ -138,6 +138,9 @@ def test_stop_string_ends_a_request(reference: list[list[int]]) -> None:
     engine.run()
     assert req.finish_reason == "stop" and stop not in req.text
     assert req.text == "".join(f"<{t}>" for t in reference[2])[: len(req.text)]
+    # the tokens end with the one that completes the stop string, as target-only decoding ends (not with the rest of
+    # the step's accepted drafts)
+    assert req.output_ids == reference[2][: reference[2].index(reference[2][4]) + 1]
 
 
 def test_speculation_off_per_request_and_max_sl() -> None:
