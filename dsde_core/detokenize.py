@@ -25,11 +25,13 @@ class TextStream:
         full = self._decode(len(self.ids))
         if self.stop and self._stop_at(full) is not None:
             # the fewest of these ids whose text holds a stop string (speculation accepts several tokens a step)
-            self.kept = next(j for j in range(1, len(ids) + 1) if self._stop_at(self._decode(before + j)) is not None)
+            for self.kept in range(1, len(ids) + 1):
+                text = self._decode(before + self.kept)
+                if (at := self._stop_at(text)) is not None:
+                    break
             del self.ids[before + self.kept :]
             self.stopped = True
-            text = self._decode(len(self.ids))
-            return self._send(text[: self._stop_at(text)])
+            return self._send(text[:at])
         end = len(full)
         if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
             end = len(full.rstrip("\ufffd"))

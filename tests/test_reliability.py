@@ -281,24 +281,25 @@ def test_controller_killed_requests_complete(svc: Service, reference: Any) -> No
     assert r.status_code == 200 and r.json()["speculation"]["drafted"] > 0
 
 
-def _poison_verify(host: Any, seed: int, from_call: int) -> None:
-    """Run inside the target actor (__ray_call__): its verify raises, as a kernel that breaks on one request's data
-    would, whenever the request of sampling seed `seed` is in the batch, from that request's `from_call`-th step on."""
+def _poison(host: Any, method: str, seed: int, from_call: int = 1) -> None:
+    """Run inside a model actor (__ray_call__): its worker's `method` (verify, propose) raises, as a kernel that breaks
+    on one request's data would, whenever the request of sampling seed `seed` is in the call, from that request's
+    `from_call`-th call on."""
     worker, calls = host.worker, [0]
-    verify = worker.verify
+    original = getattr(worker, method)
 
-    def faulty(tasks: list[Any]) -> list[Any]:
+    def faulty(tasks: list[Any], *args: Any) -> list[Any]:
         if any(worker.slots[t.slot].params.seed == seed for t in tasks):
             calls[0] += 1
             if calls[0] >= from_call:
                 raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return verify(tasks)
+        return original(tasks, *args)
 
-    worker.verify = faulty
+    setattr(worker, method, faulty)
 
 
-def _heal_verify(host: Any) -> None:
-    del host.worker.verify  # the class's method again
+def _heal(host: Any, method: str) -> None:
+    delattr(host.worker, method)  # the class's method again
 
 
 def test_a_target_fault_one_request_causes_ends_only_that_request(svc: Service, reference: Any) -> None:
@@ -310,7 +311,7 @@ def test_a_target_fault_one_request_causes_ends_only_that_request(svc: Service, 
         reference(p, max_tokens)
     failures_before = svc.metric("ray_dsde_worker_failures_total", worker="target")
     target = svc.actor("target")
-    ray.get(target.__ray_call__.remote(_poison_verify, seed, 4))
+    ray.get(target.__ray_call__.remote(_poison, "verify", seed, 4))
     try:
         async def main() -> list[StreamResult]:
             async with httpx.AsyncClient(timeout=TIMEOUT) as client:
@@ -321,7 +322,7 @@ def test_a_target_fault_one_request_causes_ends_only_that_request(svc: Service, 
 
         bad, *good = asyncio.run(main())
     finally:
-        ray.get(target.__ray_call__.remote(_heal_verify))
+        ray.get(target.__ray_call__.remote(_heal, "verify"))
     _assert_exact(good, prompts[1:], max_tokens, reference)
     assert bad.status == 200 and bad.done and bad.error is not None and bad.error["code"] == 500, bad
     message = bad.error["message"]  # the remote error: RayTaskError(RuntimeError): RuntimeError: CUDA error: ...
@@ -337,24 +338,6 @@ def test_a_target_fault_one_request_causes_ends_only_that_request(svc: Service, 
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference(prompts[0], 20)  # healed
 
 
-def _poison_propose(host: Any, seed: int) -> None:
-    """Run inside the draft actor (__ray_call__): its propose raises, as a kernel that breaks on one request's data
-    would, whenever the request of sampling seed `seed` is in the call."""
-    worker = host.worker
-    propose = worker.propose
-
-    def faulty(tasks: list[Any], stop: Any = None) -> list[Any]:
-        if any(worker.slots[t.slot].params.seed == seed for t in tasks):
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return propose(tasks, stop)
-
-    worker.propose = faulty
-
-
-def _heal_propose(host: Any) -> None:
-    del host.worker.propose
-
-
 def test_a_draft_fault_one_request_causes_turns_speculation_off_for_that_request_only(svc: Service,
                                                                                       reference: Any) -> None:
     """The draft actor raises (and lives on) whenever one request is in its call: that request goes on target-only
@@ -364,7 +347,7 @@ def test_a_draft_fault_one_request_causes_turns_speculation_off_for_that_request
     reference(bad_prompt, bad_tokens)
     failures_before = svc.metric("ray_dsde_worker_failures_total", worker="draft")
     draft = svc.actor("draft")
-    ray.get(draft.__ray_call__.remote(_poison_propose, seed))
+    ray.get(draft.__ray_call__.remote(_poison, "propose", seed))
     try:
         async def main() -> tuple[StreamResult, Any, bool]:
             async with httpx.AsyncClient(timeout=TIMEOUT) as client:
@@ -382,7 +365,7 @@ def test_a_draft_fault_one_request_causes_turns_speculation_off_for_that_request
 
         bad, r, overlapped = asyncio.run(main())
     finally:
-        ray.get(draft.__ray_call__.remote(_heal_propose))
+        ray.get(draft.__ray_call__.remote(_heal, "propose"))
     _assert_exact([bad], [bad_prompt], bad_tokens, reference)
     assert bad.speculation is not None and bad.speculation["drafted"] == 0  # the last chunk carries it
     assert overlapped, "the faulty request ended before the other one: nothing to compare (a slower machine?)"
