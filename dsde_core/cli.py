@@ -36,6 +36,9 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="[-2, 2], OpenAI's")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="[-2, 2], OpenAI's")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="(0, 10], 1: none (prompt and output)")
     g.add_argument("--dtype", default="bfloat16", help="bfloat16 (fast) or float32 (bit-exact losslessness)")
     g.add_argument("--device", default="cpu")
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -84,7 +87,8 @@ def _timed(llm: SpeculativeLLM, prompt: str, params: SamplingParams, policy: str
 def _generate(args: argparse.Namespace) -> int:
     make_policy(args.policy)  # fail on a bad policy before minutes of model loading
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
+                            top_k=args.top_k, seed=args.seed, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
     config = EngineConfig(max_batch_size=1, dtype=args.dtype, device=args.device, num_threads=args.threads)
     llm = SpeculativeLLM.load(draft=args.draft, target=args.target, config=config)
     llm.generate([prompt := args.prompt], SamplingParams(max_tokens=2), policy="static:2")  # warm-up

@@ -15,6 +15,8 @@ from dsde_core.errors import ConfigError
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for at each position (as vLLM and OpenAI's chat)
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
+MAX_REPETITION_PENALTY = 10.0  # repetition penalty in (0, 10]; 1: none
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -34,6 +36,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n: each output token's log-probability and the n likeliest (sampling.py)
+    presence_penalty: float = 0.0  # subtracted from the logit of each token the output holds (sampling.penalize)
+    frequency_penalty: float = 0.0  # ... times the number of times the output holds it
+    repetition_penalty: float = 1.0  # divides a positive logit (multiplies a negative one) of prompt and output tokens
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
@@ -44,6 +49,13 @@ class SamplingParams:
         _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _check(isinstance(v, (int, float)) and -MAX_PENALTY <= v <= MAX_PENALTY,
+                   f"{name} must be in [{-MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v!r}")
+        r = self.repetition_penalty
+        _check(isinstance(r, (int, float)) and 0 < r <= MAX_REPETITION_PENALTY,
+               f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {r!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         _check(all(isinstance(s, str) and s for s in stop), f"stop must be non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", stop)
@@ -51,6 +63,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 @dataclass(frozen=True)

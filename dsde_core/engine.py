@@ -32,13 +32,13 @@ DRAFT_TRIES = 2  # a request goes on target-only after the draft raised on it al
 
 
 class DraftAPI(Protocol):
-    def open(self, slot: int, params: SamplingParams) -> None: ...
+    def open(self, slot: int, params: SamplingParams, prompt_len: int = 0) -> None: ...
     def release(self, slot: int) -> None: ...
     def propose(self, tasks: list[DraftTask]) -> list[Proposal]: ...
 
 
 class TargetAPI(Protocol):
-    def open(self, slot: int, params: SamplingParams) -> None: ...
+    def open(self, slot: int, params: SamplingParams, prompt_len: int = 0) -> None: ...
     def release(self, slot: int) -> None: ...
     def verify(self, tasks: list[VerifyTask]) -> list[Verdict]: ...
 
@@ -445,7 +445,7 @@ class Engine:
         if self.health[role].down:
             return  # opened by _recover when the worker is back
         try:
-            worker.open(r.slot, r.params)
+            worker.open(r.slot, r.params, len(r.prompt_ids))
         except self._survivable(role) as e:
             self._failed(role, e)
 
@@ -499,7 +499,7 @@ class Engine:
                     party.release(key)
                 if role != "policy":  # a restarted policy rebuilds per-request state on its next plan
                     for r in self.running:
-                        party.open(r.slot, r.params)
+                        party.open(r.slot, r.params, len(r.prompt_ids))
                         if role == "draft":
                             r.synced_draft = 0
                         else:

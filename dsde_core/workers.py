@@ -28,9 +28,11 @@ from dsde_core.policies.adaedl import entropy_confidence, should_stop
 from dsde_core.policies.stopping import CONFIDENCE_AS_P, AcceptModel, DraftStop
 from dsde_core.sampling import (
     DraftDist,
+    History,
     TokenLogprob,
     draft_dist,
     make_generator,
+    penalize,
     sample_draft,
     signal_temperature,
     target_probs,
@@ -84,6 +86,19 @@ class _Slot:
     cached: list[int] = field(default_factory=list)  # committed[offset:...] whose KV are in the cache, in order
     matched: int = 0  # cached[:matched - offset] == committed[offset:matched] is known
     offset: int = 0  # committed tokens before the cache's first (a windowed draft skipped them)
+    prompt_len: int = 0  # committed[:prompt_len] is the prompt, the rest the output (penalties count the output)
+
+    history: tuple[int, History] | None = None  # (len(committed), History): what penalties count, kept per length
+
+    def penalize(self, logits: torch.Tensor, drafts: list[int], first: int = 0) -> torch.Tensor:
+        """logits [n, V], row j at the position after the committed tokens and drafts[:first + j] -> the logits the
+        request samples from (sampling.penalize; the same tensor when the request has no penalty)."""
+        if not self.params.penalized:
+            return logits
+        if self.history is None or self.history[0] != len(self.committed):
+            cut = self.prompt_len
+            self.history = len(self.committed), History.of(self.committed[:cut], self.committed[cut:])
+        return penalize(logits, self.history[1], drafts, self.params, first)
 
 
 class _Worker:
@@ -97,9 +112,9 @@ class _Worker:
         self.slots: dict[int, _Slot] = {}
         self.window = window  # an empty cache takes in at most the last `window` tokens (the draft's; never the target)
 
-    def open(self, slot: int, params: SamplingParams) -> None:
+    def open(self, slot: int, params: SamplingParams, prompt_len: int = 0) -> None:
         self.runner.set_length(slot, 0)
-        self.slots[slot] = _Slot(params, make_generator(params.seed, self.stream))
+        self.slots[slot] = _Slot(params, make_generator(params.seed, self.stream), prompt_len=prompt_len)
 
     def release(self, slot: int) -> None:
         self.slots.pop(slot, None)
@@ -172,10 +187,10 @@ class DraftWorker(_Worker):
                 self.slots[slot].cached.extend(toks)
             next_batch = []
             for row, t in enumerate(live):
-                s = self.slots[t.slot]
-                dist = draft_dist(logits[row], s.params, self.top_k, with_entropy=t.min_confidence is not None)
+                s, prop = self.slots[t.slot], out[t.slot]
+                row_logits = s.penalize(logits[row : row + 1], prop.tokens, len(prop.tokens))[0]  # [V]
+                dist = draft_dist(row_logits, s.params, self.top_k, with_entropy=t.min_confidence is not None)
                 x = sample_draft(dist, s.gen)
-                prop = out[t.slot]
                 prop.tokens.append(x)
                 prop.dists.append(dist)
                 conf = float(dist.q_signal[0]) if s.params.greedy else float(dist.q_signal[dist.ids == x].sum())
@@ -226,8 +241,9 @@ class TargetWorker(_Worker):
             verdicts.append(self._judge(s, t.slot, rows, t.proposal))
         return verdicts
 
-    def _judge(self, s: _Slot, slot: int, logits: torch.Tensor, prop: Proposal | None) -> Verdict:
+    def _judge(self, s: _Slot, slot: int, raw: torch.Tensor, prop: Proposal | None) -> Verdict:
         drafts = prop.tokens if prop else []
+        logits = s.penalize(raw, drafts)  # [k+1, V]: what the request samples from (the raw logits if no penalty)
         if s.params.greedy:
             tokens = verify_greedy(logits, drafts)
         else:
@@ -243,4 +259,4 @@ class TargetWorker(_Worker):
             q_sig = torch.stack([d.q_signal for d in prop.dists])  # [k, K]
             kld = sparse_kld_at(p_ids, q_sig).tolist()
         n = s.params.logprobs
-        return Verdict(slot, tokens, len(tokens) - 1, kld, None if n is None else token_logprobs(logits, tokens, n))
+        return Verdict(slot, tokens, len(tokens) - 1, kld, None if n is None else token_logprobs(raw, tokens, n))

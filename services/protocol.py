@@ -1,9 +1,10 @@
 """The OpenAI-compatible request bodies (pydantic, with bounds) and the error body.
 
 Fields the OpenAI client may send that this server does not implement are accepted at their neutral value
-(zero penalties, no echo) and rejected otherwise with a 400 naming the field; unknown fields are
-ignored, as OpenAI-compatible servers do. Log-probabilities: completions' `logprobs` (0-20 alternatives), chat's
-`logprobs` (true) with `top_logprobs` (0-20).
+(no echo) and rejected otherwise with a 400 naming the field; unknown fields are ignored, as OpenAI-compatible
+servers do. Log-probabilities: completions' `logprobs` (0-20 alternatives), chat's `logprobs` (true) with
+`top_logprobs` (0-20). Penalties: OpenAI's `presence_penalty` and `frequency_penalty` (-2 to 2), and vLLM's
+`repetition_penalty` (above 0, at most 10; 1 is none).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from dsde_core.config import MAX_LOGPROBS, SamplingParams, SpeculationParams
+from dsde_core.config import MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, SamplingParams, SpeculationParams
 
 MAX_STOP = 16
 MAX_N = 16  # choices per request
@@ -65,8 +66,9 @@ class _Common(BaseModel):
     n: int = Field(default=1, ge=1, le=MAX_N)  # choices: n engine requests (choice i samples with seed + i)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY)  # vLLM's extra parameter
     speculation: SpeculationOptions = Field(default_factory=SpeculationOptions)
 
     @field_validator("stop")
@@ -80,18 +82,13 @@ class _Common(BaseModel):
             raise ValueError(f"each stop string must be at most {MAX_STOP_CHARS} characters, got {longest}")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float) -> float:
-        if v != 0:
-            raise ValueError("presence and frequency penalties are not supported (use 0)")
-        return v
-
     def sampling(self, max_tokens: int) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         temperature = 0.0 if self.temperature < GREEDY_BELOW else self.temperature
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=self.top_p,
-                              top_k=max(0, self.top_k), seed=self.seed, stop=stop, logprobs=self.logprob_count())
+                              top_k=max(0, self.top_k), seed=self.seed, stop=stop, logprobs=self.logprob_count(),
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty)
 
     def logprob_count(self) -> int | None:
         """Alternatives per output token to report with its log-probability; None: no log-probabilities."""

@@ -21,6 +21,7 @@ def _dsde(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     (["generate", "hi", "--draft", "/nonexistent/model"], "/nonexistent/model"),
     (["generate", "hi", "--max-tokens", "0"], "max_tokens"),
     (["generate", "hi", "--temperature", "-1"], "temperature"),
+    (["generate", "hi", "--repetition-penalty", "0"], "repetition_penalty"),
     (["generate", "hi", "--dtype", "float8"], "dtype"),
     (["prepare", "no-such-model"], "no-such-model"),
 ])

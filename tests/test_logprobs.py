@@ -4,34 +4,23 @@ and verified or decoded target-only, greedy or sampled."""
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import pytest
 import torch
-from transformers import Qwen2ForCausalLM
 
 from dsde_core.config import SamplingParams
 from dsde_core.errors import ConfigError
 from dsde_core.request import RequestOutput
 from dsde_core.sampling import TokenLogprob
-from tests.tiny import DEVICE, random_prompts, tiny_engine, tiny_state
+from tests.tiny import DEVICE, hf_target, random_prompts, tiny_engine
 
 PROMPTS = random_prompts(6, seed=5)
 MAX_TOKENS, TOP = 24, 3
 
 
-@lru_cache(maxsize=1)
-def _hf_target() -> Qwen2ForCausalLM:
-    config, state = tiny_state()
-    model = Qwen2ForCausalLM(config).float().eval()
-    model.load_state_dict(state)
-    return model.to(DEVICE)
-
-
 def _reference(prompt: list[int], output: list[int]) -> torch.Tensor:
     """[len(output), V]: log-softmax of the target's logits at each output position, one forward over everything."""
     with torch.no_grad():
-        logits = _hf_target()(torch.tensor([prompt + output], device=DEVICE)).logits[0].float()
+        logits = hf_target()(torch.tensor([prompt + output], device=DEVICE)).logits[0].float()
     return torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1).cpu()
 
 

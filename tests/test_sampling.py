@@ -9,7 +9,16 @@ from scipy.stats import chisquare
 
 from dsde_core.config import SamplingParams
 from dsde_core.errors import ConfigError
-from dsde_core.sampling import DraftDist, draft_dist, sample_draft, target_probs, verify_greedy, verify_stochastic
+from dsde_core.sampling import (
+    DraftDist,
+    History,
+    draft_dist,
+    penalize,
+    sample_draft,
+    target_probs,
+    verify_greedy,
+    verify_stochastic,
+)
 
 V = 6
 P = torch.tensor([
@@ -121,7 +130,31 @@ def test_target_probs_top_k_and_top_p() -> None:
 
 @pytest.mark.parametrize("kwargs", [
     {"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -1}, {"stop": ("",)},
+    {"presence_penalty": 2.01}, {"frequency_penalty": -2.5}, {"frequency_penalty": float("nan")},
+    {"repetition_penalty": 0.0}, {"repetition_penalty": 10.5}, {"presence_penalty": "1"},
 ])
 def test_sampling_params_reject_bad_values(kwargs: dict) -> None:
     with pytest.raises(ConfigError):
         SamplingParams(**kwargs)
+
+
+def test_penalize_row_j_counts_the_output_and_the_first_j_drafts() -> None:
+    """Scripted: logits [3, 8]; prompt {1, 2}; output [3, 3, 4]; drafts [4, 5] (row 1 follows 4, row 2 follows 4, 5)."""
+    logits = torch.tensor([[2.0, -1.0, 1.0, 3.0, 0.5, -0.5, 1.5, -2.0]]).repeat(3, 1)  # [3, 8]
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0)
+    history = History.of([1, 2], [3, 3, 4])
+    assert history.ids.tolist() == [1, 2, 3, 4] and history.counts.tolist() == [0, 0, 2, 1]
+    out = penalize(logits, history, [4, 5], params)
+    rep = torch.tensor([2.0, -2.0, 0.5, 1.5, 0.25, -1.0, 1.5, -2.0])  # ids 1, 2, 3, 4, 5 divided (>0) or multiplied
+    want = torch.stack([
+        torch.where(torch.tensor([0, 1, 1, 1, 1, 0, 0, 0]).bool(), rep, logits[0]) - torch.tensor(
+            [0, 0, 0, 2 * 0.25 + 0.5, 0.25 + 0.5, 0, 0, 0]),
+        torch.where(torch.tensor([0, 1, 1, 1, 1, 0, 0, 0]).bool(), rep, logits[0]) - torch.tensor(
+            [0, 0, 0, 2 * 0.25 + 0.5, 2 * 0.25 + 0.5, 0, 0, 0]),
+        torch.where(torch.tensor([0, 1, 1, 1, 1, 1, 0, 0]).bool(), rep, logits[0]) - torch.tensor(
+            [0, 0, 0, 2 * 0.25 + 0.5, 2 * 0.25 + 0.5, 0.25 + 0.5, 0, 0]),
+    ])
+    assert torch.allclose(out, want)
+    assert torch.equal(logits, torch.tensor([[2.0, -1.0, 1.0, 3.0, 0.5, -0.5, 1.5, -2.0]]).repeat(3, 1))  # kept
+    assert torch.allclose(penalize(logits[:1], history, [4, 5], params, first=2), want[2:])  # one row, after both
+    assert penalize(logits, history, [], SamplingParams()) is logits  # no penalty: nothing computed

@@ -188,6 +188,20 @@ def test_log_probabilities_through_the_openai_client(tiny_app: App, reference_ll
     assert plain.choices[0].logprobs is None
 
 
+def test_penalties_through_the_openai_client(tiny_app: App, reference_llm: SpeculativeLLM) -> None:
+    """OpenAI's presence and frequency penalties and vLLM's repetition penalty (an extra field), greedy: the text
+    target-only decoding gives with the same penalties, while the service drafts and verifies."""
+    pen = dict(presence_penalty=0.5, frequency_penalty=1.0)
+    params = SamplingParams(max_tokens=24, repetition_penalty=1.3, **pen)
+    [ref] = reference_llm.generate([PROMPTS[5]], params, policy="off")
+    [plain] = reference_llm.generate([PROMPTS[5]], SamplingParams(max_tokens=24), policy="off")
+    assert ref.token_ids != plain.token_ids  # this prompt's output repeats a token: the penalties change it
+    res = tiny_app.client().completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=24, temperature=0,
+                                               extra_body={"repetition_penalty": 1.3}, **pen)
+    assert res.choices[0].text == ref.text and res.usage.completion_tokens == len(ref.token_ids)
+    assert res.model_extra["speculation"]["drafted"] > 0
+
+
 def test_n_choices_through_the_openai_client(tiny_app: App, reference_llm: SpeculativeLLM) -> None:
     """n choices: each its own request, choice i sampled with seed + i (so equal to a single request with that seed),
     the prompt counted once in usage; streamed, each chunk names its choice; greedy choices are the target's text."""
@@ -329,6 +343,8 @@ BAD_REQUESTS = [
     ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"max_sl": 100}}, 400, "max_sl"),
     ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"bogus": 1}}, 400, "bogus"),
     ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("completions", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
      "top_logprobs needs logprobs"),
     ("completions", {"model": MODEL, "prompt": "hi", "stream": True, "max_tokens": 10**6}, 400, "context window"),

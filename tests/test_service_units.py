@@ -167,12 +167,16 @@ def test_request_models_bound_their_fields() -> None:
     assert chat.max_tokens == 7 and chat.chat() == [{"role": "user", "content": "a"}]
     for bad in [dict(n=0), dict(n=17), dict(temperature=2.5), dict(top_p=0), dict(max_tokens=0),
                 dict(prompt=["a", "b"]),
-                dict(logprobs=21), dict(logprobs=-1), dict(presence_penalty=1.0), dict(speculation={"max_sl": 65}),
+                dict(logprobs=21), dict(logprobs=-1), dict(presence_penalty=2.5), dict(frequency_penalty=-2.1),
+                dict(repetition_penalty=0), dict(repetition_penalty=10.5), dict(speculation={"max_sl": 65}),
                 dict(speculation={"policy": "x"}), dict(stop=[""]), dict(seed=-1), dict(echo=True)]:
         with pytest.raises(ValidationError):
             CompletionRequest(**{"model": "m", "prompt": "hi", **bad})
     assert CompletionRequest(model="m", prompt="hi", logprobs=0).sampling(5).logprobs == 0
     assert CompletionRequest(model="m", prompt="hi").sampling(5).logprobs is None
+    penalized = CompletionRequest(model="m", prompt="hi", presence_penalty=-2, frequency_penalty=0.5,
+                                  repetition_penalty=1.3).sampling(5)
+    assert (penalized.presence_penalty, penalized.frequency_penalty, penalized.repetition_penalty) == (-2, 0.5, 1.3)
     user = [{"role": "user", "content": "x"}]
     assert ChatCompletionRequest(model="m", messages=user, logprobs=True, top_logprobs=5).sampling(5).logprobs == 5
     assert ChatCompletionRequest(model="m", messages=user, logprobs=True).sampling(5).logprobs == 0

@@ -39,6 +39,15 @@ def tiny_state(seed: int = 0) -> tuple[Qwen2Config, dict[str, torch.Tensor]]:
     return config, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+@lru_cache(maxsize=1)
+def hf_target() -> Qwen2ForCausalLM:
+    """The tiny target as transformers' own model: the independent reference for the engine's outputs."""
+    config, state = tiny_state()
+    model = Qwen2ForCausalLM(config).float().eval()
+    model.load_state_dict(state)
+    return model.to(DEVICE)
+
+
 def tiny_pair(noise: float = 0.03, seed: int = 0) -> tuple[LlamaModel, LlamaModel]:
     """(target, draft) in fp32; the draft is the target with Gaussian noise added to every weight."""
     config, state = tiny_state(seed)
