@@ -36,6 +36,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n: each output token's log-probability and the n likeliest (sampling.py)
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (what an echo reports)
     presence_penalty: float = 0.0  # subtracted from the logit of each token the output holds (sampling.penalize)
     frequency_penalty: float = 0.0  # ... times the number of times the output holds it
     repetition_penalty: float = 1.0  # divides a positive logit (multiplies a negative one) of prompt and output tokens
@@ -47,8 +48,10 @@ class SamplingParams:
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}")
         _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
-               f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            _check(v is None or (isinstance(v, int) and 0 <= v <= MAX_LOGPROBS),
+                   f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             _check(isinstance(v, (int, float)) and -MAX_PENALTY <= v <= MAX_PENALTY,

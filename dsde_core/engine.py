@@ -252,7 +252,9 @@ class Engine:
         return {r.req_id: p for r, p in zip(reqs, proposals, strict=True) if p.tokens}
 
     def _verify_task(self, r: Request, proposal: Proposal | None) -> VerifyTask:
-        task = VerifyTask(r.slot, r.tokens[r.synced_target:], proposal)
+        # the prompt's log-probabilities where asked, once: from the prefill of a fresh slot (it feeds every token)
+        fresh = r.synced_target == 0 and r.prompt_logprobs is None
+        task = VerifyTask(r.slot, r.tokens[r.synced_target:], proposal, r.params.prompt_logprobs if fresh else None)
         r.synced_target = r.num_tokens
         return task
 
@@ -296,6 +298,9 @@ class Engine:
         r.output_ids += new
         logprobs = None if v.logprobs is None else v.logprobs[: len(new)]
         r.logprobs += logprobs or []
+        first = v.prompt_logprobs is not None and r.prompt_logprobs is None  # the prefill that computed them
+        if first:
+            r.prompt_logprobs = v.prompt_logprobs[: len(r.prompt_ids) - 1]
         if new:
             r.stats.first_token = r.stats.first_token or now
             r.stats.token_times += [now] * len(new)
@@ -303,7 +308,7 @@ class Engine:
             text += r.detok.flush()
             r.stats.finish = now
         out = RequestOutput(r.req_id, new, text, r.finished, r.finish_reason, stats=r.stats if r.finished else None,
-                            logprobs=logprobs)
+                            logprobs=logprobs, prompt_logprobs=r.prompt_logprobs if first else None)
         return self._emit(out, r)
 
     @staticmethod

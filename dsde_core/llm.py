@@ -31,6 +31,7 @@ class GenerationResult:
     finish_reason: str
     stats: RequestStats
     logprobs: list[TokenLogprob] | None = None  # one per token, where SamplingParams.logprobs asks for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token after the first (prompt_logprobs)
 
 
 def eos_token_ids(loaded: LoadedModel) -> set[int]:
@@ -109,7 +110,7 @@ class SpeculativeLLM:
             reqs.append(self.engine.add_request(ids, p, spec))
         self.engine.run()
         return [GenerationResult(r.text, list(r.output_ids), len(r.prompt_ids), r.finish_reason or "", r.stats,
-                                 None if r.params.logprobs is None else r.logprobs) for r in reqs]
+                                 None if r.params.logprobs is None else r.logprobs, r.prompt_logprobs) for r in reqs]
 
 
 def _policy(policy: str | SpeculationPolicy) -> SpeculationPolicy:

@@ -96,6 +96,7 @@ class RequestOutput:
     stats: RequestStats | None = None  # set on the last output of a request
     error_type: str | None = None  # with an error: "unavailable" (a worker did not come back in time) or None
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, where the request asks for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the first output: one per prompt token after the first
 
 
 @dataclass
@@ -115,6 +116,7 @@ class Request:
     error: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, where params ask for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token after the first, once computed
 
     @property
     def tokens(self) -> list[int]:

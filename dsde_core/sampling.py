@@ -111,6 +111,8 @@ class TokenLogprob:
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], n: int) -> list[TokenLogprob]:
     """logits [m, V] at the positions that produced `tokens` (m >= len(tokens)) -> each token's log p and the top n."""
+    if not tokens:
+        return []
     lp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)  # [t, V]
     chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()  # [t]
     if n == 0:

@@ -67,6 +67,7 @@ class VerifyTask:
     slot: int
     new_tokens: list[int]
     proposal: Proposal | None = None  # None: a plain target step (prefill or target-only decoding)
+    prompt_logprobs: int | None = None  # with a fresh slot's prefill: each prompt token's log p and the n likeliest
 
 
 @dataclass
@@ -76,6 +77,7 @@ class Verdict:
     accepted: int
     kld: list[float]  # [k'] KL(target || draft) at each proposed position (sparse, at the signal temperature)
     logprobs: list[TokenLogprob] | None = None  # one per token, where the request asks for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per fed committed token after the first, where asked
 
 
 @dataclass
@@ -231,14 +233,19 @@ class TargetWorker(_Worker):
             drafts = t.proposal.tokens if t.proposal else []
             feeds.append(self._sync(t.slot, t.new_tokens) + drafts)
         ks = [len(t.proposal.tokens) if t.proposal else 0 for t in tasks]
-        logits = self.runner.forward([t.slot for t in tasks], feeds, [k + 1 for k in ks]).cpu()  # [sum(k+1), V]
+        # logits rows per sequence: its k+1 verified positions, or every position fed where the prompt's are asked for
+        ns = [len(f) if t.prompt_logprobs is not None else k + 1 for t, f, k in zip(tasks, feeds, ks, strict=True)]
+        logits = self.runner.forward([t.slot for t in tasks], feeds, ns).cpu()  # [sum(ns), V]
         verdicts, row = [], 0
-        for t, feed, k in zip(tasks, feeds, ks, strict=True):
+        for t, feed, k, n in zip(tasks, feeds, ks, ns, strict=True):
             s = self.slots[t.slot]
             s.cached.extend(feed)
-            rows = logits[row : row + k + 1]  # [k+1, V]
-            row += k + 1
-            verdicts.append(self._judge(s, t.slot, rows, t.proposal))
+            rows = logits[row : row + n]  # [n, V]
+            row += n
+            v = self._judge(s, t.slot, rows[n - k - 1 :], t.proposal)  # [k+1, V]
+            if t.prompt_logprobs is not None:  # row i predicts fed token i + 1; the drafts' rows are the verdict's
+                v.prompt_logprobs = token_logprobs(rows, feed[1 : n - k], t.prompt_logprobs)
+            verdicts.append(v)
         return verdicts
 
     def _judge(self, s: _Slot, slot: int, raw: torch.Tensor, prop: Proposal | None) -> Verdict:

@@ -433,7 +433,8 @@ class DSDEServer:
         self._check_model(body.model)
         prompt = body.prompt
         ids = list(self.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else [int(t) for t in prompt]
-        return await self._generate(body, ids, chat=False)
+        echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if body.echo else None
+        return await self._generate(body, ids, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest) -> Any:
@@ -479,10 +480,12 @@ class DSDEServer:
                                 f"{self.cfg.max_queue} waiting requests); retry after {self.cfg.retry_after_s}s",
                            type_="rate_limit_error", headers=retry)
 
-    async def _generate(self, body: CompletionRequest | ChatCompletionRequest, ids: list[int], chat: bool) -> Any:
+    async def _generate(self, body: CompletionRequest | ChatCompletionRequest, ids: list[int], chat: bool,
+                        echo: str | None = None) -> Any:
         params = self._params(body, ids)
         self._admit(body.n)
-        reply = Reply(self.model, chat, len(ids), body.n, decode=None if params.logprobs is None else self._token_text)
+        reply = Reply(self.model, chat, len(ids), body.n, decode=None if params.logprobs is None else self._token_text,
+                      echo=echo, prompt_ids=ids if params.prompt_logprobs is not None else None)
         # each choice joins the engine's queue now (the queue bound above counts it at once)
         outputs = [self._track(self.aengine.submit(ids, choice_params(params, i), body.speculation.params(),
                                                    reply.request_id(i)), reply, i) for i in range(body.n)]
@@ -534,12 +537,13 @@ class DSDEServer:
             if reply.chat:
                 for i in range(reply.n):
                     yield sse(reply.chunk("", role=True, index=i))
+            echoes = dict.fromkeys(range(reply.n), reply.echo or "")  # each choice's first chunk starts with it
             async for i, out in outputs:
                 if out.finish_reason == "error":  # one choice failed: the stream ends (the others are cancelled)
                     yield sse(error_body(out.error or "generation failed", ERROR_STATUS.get(out.error_type, 500)))
                     break
-                if out.text:
-                    yield sse(reply.chunk(out.text, index=i))
+                if text := echoes.pop(i, "") + out.text:
+                    yield sse(reply.chunk(text, index=i))
                 if out.finished:
                     yield sse(reply.chunk(None if reply.chat else "", out.finish_reason, stats=out.stats, index=i))
             if include_usage:

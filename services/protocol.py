@@ -1,10 +1,9 @@
 """The OpenAI-compatible request bodies (pydantic, with bounds) and the error body.
 
-Fields the OpenAI client may send that this server does not implement are accepted at their neutral value
-(no echo) and rejected otherwise with a 400 naming the field; unknown fields are ignored, as OpenAI-compatible
-servers do. Log-probabilities: completions' `logprobs` (0-20 alternatives), chat's `logprobs` (true) with
-`top_logprobs` (0-20). Penalties: OpenAI's `presence_penalty` and `frequency_penalty` (-2 to 2), and vLLM's
-`repetition_penalty` (above 0, at most 10; 1 is none).
+Unknown fields are ignored, as OpenAI-compatible servers do. Log-probabilities: completions' `logprobs` (0-20
+alternatives; with `echo`, the prompt's too), chat's `logprobs` (true) with `top_logprobs` (0-20). Penalties:
+OpenAI's `presence_penalty` and `frequency_penalty` (-2 to 2), and vLLM's `repetition_penalty` (above 0, at most
+10; 1 is none).
 """
 
 from __future__ import annotations
@@ -87,12 +86,17 @@ class _Common(BaseModel):
         temperature = 0.0 if self.temperature < GREEDY_BELOW else self.temperature
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=self.top_p,
                               top_k=max(0, self.top_k), seed=self.seed, stop=stop, logprobs=self.logprob_count(),
+                              prompt_logprobs=self.prompt_logprob_count(),
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty)
 
     def logprob_count(self) -> int | None:
         """Alternatives per output token to report with its log-probability; None: no log-probabilities."""
         raise NotImplementedError
+
+    def prompt_logprob_count(self) -> int | None:
+        """Alternatives per prompt token to report with its log-probability; None: none (only an echo reports them)."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -102,11 +106,14 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1, le=1 << 20)  # OpenAI's default for completions
-    echo: bool = False
+    echo: bool = False  # the text starts with the prompt (and the log-probabilities with the prompt's)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token (None: none)
 
     def logprob_count(self) -> int | None:
         return self.logprobs
+
+    def prompt_logprob_count(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     @field_validator("prompt")
     @classmethod
@@ -115,13 +122,6 @@ class CompletionRequest(_Common):
             if len(v) != 1:
                 raise ValueError(f"one prompt per request is supported, got {len(v)}")
             return v[0]
-        return v
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
         return v
 
 

@@ -11,6 +11,8 @@ Log-probabilities, where a request asks for them, in OpenAI's two shapes: comple
 top_logprobs, text_offset} (offsets into the completion's text) and chat's {content: [{token, logprob, bytes,
 top_logprobs}]}; a token's text is its id decoded alone. A stream's chunk carries those of the tokens recorded since
 the last chunk (a token whose text the detokenizer still holds back rides with the next chunk that has text).
+Completions' `echo` starts each choice's text with the prompt (a stream: its first chunk), and its log-probabilities
+with the prompt's (the first prompt token's null, as OpenAI's).
 """
 
 from __future__ import annotations
@@ -54,13 +56,17 @@ class Choice:
 
     index: int
     decode: Callable[[int], str] | None = None  # a token's text; set where the request asks for logprobs
+    prompt_ids: list[int] | None = None  # an echo's prompt, whose log-probabilities come first
     completion_tokens: int = 0
-    unsent: list[tuple[int, TokenLogprob]] = field(default_factory=list)  # recorded, not yet sent
+    unsent: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)  # recorded, not yet sent
     offset: int = 0  # characters of the token texts sent (completions' text_offset)
 
     def record(self, out: RequestOutput) -> None:
-        """Count one engine output's tokens and keep their log-probabilities for the next body or chunk."""
+        """Count one engine output's tokens and keep their log-probabilities for the next body or chunk (an echo's
+        prompt tokens first, the first one with none, as OpenAI's)."""
         self.completion_tokens += len(out.token_ids)
+        if out.prompt_logprobs is not None and self.prompt_ids:
+            self.unsent += [(self.prompt_ids[0], None), *zip(self.prompt_ids[1:], out.prompt_logprobs, strict=True)]
         self.unsent += zip(out.token_ids, out.logprobs or [], strict=False)
 
     def logprobs(self, chat: bool) -> dict[str, Any] | None:
@@ -77,8 +83,9 @@ class Choice:
         for text in texts:
             offsets.append(self.offset)
             self.offset += len(text)
-        return {"tokens": texts, "token_logprobs": [lp.logprob for _, lp in unsent],
-                "top_logprobs": [{self.decode(i): v for i, v in lp.top} for _, lp in unsent], "text_offset": offsets}
+        return {"tokens": texts, "token_logprobs": [lp and lp.logprob for _, lp in unsent],
+                "top_logprobs": [lp and {self.decode(i): v for i, v in lp.top} for _, lp in unsent],
+                "text_offset": offsets}
 
 
 def _chat_entry(text: str, logprob: float) -> dict[str, Any]:
@@ -96,11 +103,13 @@ class Reply:
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     decode: Callable[[int], str] | None = None  # a token's text; set where the request asks for logprobs
+    echo: str | None = None  # completions' echo: the prompt's text, which each choice's text starts with
+    prompt_ids: list[int] | None = None  # with an echo: the prompt, whose log-probabilities each choice's start with
     choices: list[Choice] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.choices = [Choice(i, self.decode) for i in range(self.n)]
+        self.choices = [Choice(i, self.decode, self.prompt_ids) for i in range(self.n)]
 
     @property
     def object(self) -> str:
@@ -129,7 +138,7 @@ class Reply:
                 choices.append({"index": c.index, "message": {"role": "assistant", "content": text},
                                 "logprobs": c.logprobs(True), "finish_reason": finish_reason})
             else:
-                choices.append({"index": c.index, "text": text, "logprobs": c.logprobs(False),
+                choices.append({"index": c.index, "text": (self.echo or "") + text, "logprobs": c.logprobs(False),
                                 "finish_reason": finish_reason})
         return {**self._head(self.object), "choices": choices, "usage": self.usage(),
                 "speculation": speculation_stats(combined([stats for *_, stats in finals]))}

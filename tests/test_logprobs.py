@@ -77,6 +77,37 @@ def test_an_eos_cuts_the_log_probabilities_with_the_tokens() -> None:
 
 
 @pytest.mark.parametrize("n", [-1, 21, 1.5])
-def test_a_bad_logprobs_count_is_refused(n: object) -> None:
-    with pytest.raises(ConfigError, match="logprobs must be an integer in"):
-        SamplingParams(logprobs=n)  # type: ignore[arg-type]
+@pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
+def test_a_bad_logprobs_count_is_refused(name: str, n: object) -> None:
+    with pytest.raises(ConfigError, match=f"{name} must be an integer in"):
+        SamplingParams(**{name: n})
+
+
+@pytest.mark.parametrize("policy", ["off", "static:4"])
+def test_prompt_log_probabilities_are_the_targets_at_each_prompt_position(policy: str) -> None:
+    """prompt_logprobs: each prompt token after the first gets its log p given the tokens before it and the n
+    likeliest there, on the request's first output, once; the output is the same as without them."""
+    engine = tiny_engine(policy)
+    streamed: dict[str, list[RequestOutput]] = {}
+    asks = [engine.add_request(p, SamplingParams(max_tokens=12, prompt_logprobs=TOP), on_output=lambda out:
+                               streamed.setdefault(out.req_id, []).append(out)) for p in PROMPTS[:3]]
+    plain = [engine.add_request(p, SamplingParams(max_tokens=12)) for p in PROMPTS[:3]]
+    engine.run()
+    for r, same in zip(asks, plain, strict=True):
+        assert r.output_ids == same.output_ids and same.prompt_logprobs is None
+        with torch.no_grad():
+            logits = hf_target()(torch.tensor([r.prompt_ids], device=DEVICE)).logits[0].float()
+        ref = torch.log_softmax(logits[:-1], dim=-1).cpu()  # [P-1, V]: row i predicts prompt token i + 1
+        assert len(r.prompt_logprobs) == len(r.prompt_ids) - 1
+        for j, (token, lp) in enumerate(zip(r.prompt_ids[1:], r.prompt_logprobs, strict=True)):
+            assert lp.logprob == pytest.approx(ref[j, token].item(), abs=1e-4)
+            assert [v for _, v in lp.top] == pytest.approx(ref[j].topk(TOP).values.tolist(), abs=1e-4)
+        outs = streamed[r.req_id]
+        assert outs[0].prompt_logprobs == r.prompt_logprobs and all(o.prompt_logprobs is None for o in outs[1:])
+
+
+def test_a_one_token_prompt_has_no_prompt_log_probabilities() -> None:
+    engine = tiny_engine("static:4")
+    r = engine.add_request([5], SamplingParams(max_tokens=4, prompt_logprobs=2))
+    engine.run()
+    assert r.prompt_logprobs == [] and len(r.output_ids) == 4

@@ -202,6 +202,28 @@ def test_penalties_through_the_openai_client(tiny_app: App, reference_llm: Specu
     assert res.model_extra["speculation"]["drafted"] > 0
 
 
+def test_echo_with_log_probabilities_scores_the_prompt(tiny_app: App, reference_llm: SpeculativeLLM) -> None:
+    """What evaluation harnesses send to score a text (echo, logprobs, one token): the text starts with the prompt
+    and the log-probabilities with the prompt's, each the target's given the tokens before it (the first: null)."""
+    client, decode = tiny_app.client(), reference_llm.tokenizer.decode
+    [ref] = reference_llm.generate([PROMPTS[3]], SamplingParams(max_tokens=3, logprobs=1, prompt_logprobs=1),
+                                   policy="off")
+    ids = reference_llm.encode(PROMPTS[3], False)
+    res = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=3, temperature=0, logprobs=1,
+                                    echo=True)
+    lp = res.choices[0].logprobs
+    assert res.choices[0].text == PROMPTS[3] + ref.text and res.usage.completion_tokens == 3
+    assert lp.tokens == [decode([t]) for t in ids + ref.token_ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([x.logprob for x in ref.prompt_logprobs + ref.logprobs], abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0, echo=True,
+                                            stream=True))  # token ids, no logprobs: the ids decoded
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == decode(ids) + ref.text
+    assert chunks[0].choices[0].text.startswith(decode(ids))
+
+
 def test_n_choices_through_the_openai_client(tiny_app: App, reference_llm: SpeculativeLLM) -> None:
     """n choices: each its own request, choice i sampled with seed + i (so equal to a single request with that seed),
     the prompt counted once in usage; streamed, each chunk names its choice; greedy choices are the target's text."""

@@ -169,11 +169,14 @@ def test_request_models_bound_their_fields() -> None:
                 dict(prompt=["a", "b"]),
                 dict(logprobs=21), dict(logprobs=-1), dict(presence_penalty=2.5), dict(frequency_penalty=-2.1),
                 dict(repetition_penalty=0), dict(repetition_penalty=10.5), dict(speculation={"max_sl": 65}),
-                dict(speculation={"policy": "x"}), dict(stop=[""]), dict(seed=-1), dict(echo=True)]:
+                dict(speculation={"policy": "x"}), dict(stop=[""]), dict(seed=-1)]:
         with pytest.raises(ValidationError):
             CompletionRequest(**{"model": "m", "prompt": "hi", **bad})
     assert CompletionRequest(model="m", prompt="hi", logprobs=0).sampling(5).logprobs == 0
     assert CompletionRequest(model="m", prompt="hi").sampling(5).logprobs is None
+    assert CompletionRequest(model="m", prompt="hi", echo=True, logprobs=2).sampling(5).prompt_logprobs == 2
+    assert CompletionRequest(model="m", prompt="hi", echo=True).sampling(5).prompt_logprobs is None
+    assert CompletionRequest(model="m", prompt="hi", logprobs=2).sampling(5).prompt_logprobs is None
     penalized = CompletionRequest(model="m", prompt="hi", presence_penalty=-2, frequency_penalty=0.5,
                                   repetition_penalty=1.3).sampling(5)
     assert (penalized.presence_penalty, penalized.frequency_penalty, penalized.repetition_penalty) == (-2, 0.5, 1.3)
@@ -227,6 +230,23 @@ def test_log_probabilities_in_openais_two_shapes() -> None:
     plain = Reply("m", chat=False, prompt_tokens=1)
     plain.record(outs[0])
     assert plain.body([("abc", "length", None)])["choices"][0]["logprobs"] is None
+
+
+def test_an_echo_starts_the_text_and_the_log_probabilities_with_the_prompts() -> None:
+    """The first prompt token has no log-probability (null, as OpenAI's); text offsets count from the echo's start."""
+    decode = {7: "Hi", 8: " there", 1: "ab"}.__getitem__
+    first = RequestOutput("r", [1], "ab", True, "length", logprobs=[TokenLogprob(-0.1, ((1, -0.1),))],
+                          prompt_logprobs=[TokenLogprob(-2.5, ((1, -1.0),))])
+    reply = Reply("m", chat=False, prompt_tokens=2, decode=decode, echo="Hi there", prompt_ids=[7, 8])
+    reply.record(first)
+    choice = reply.body([("ab", "length", None)])["choices"][0]
+    assert choice["text"] == "Hi thereab" and reply.usage()["completion_tokens"] == 1
+    assert choice["logprobs"] == {"tokens": ["Hi", " there", "ab"], "token_logprobs": [None, -2.5, -0.1],
+                                  "top_logprobs": [None, {"ab": -1.0}, {"ab": -0.1}], "text_offset": [0, 2, 8]}
+    bare = Reply("m", chat=False, prompt_tokens=2, echo="Hi there")
+    bare.record(RequestOutput("r", [1], "ab", True, "length"))
+    assert bare.body([("ab", "length", None)])["choices"][0] == {"index": 0, "text": "Hi thereab", "logprobs": None,
+                                                                 "finish_reason": "length"}
 
 
 def test_n_choices_each_with_its_index_seed_and_tokens_and_the_prompt_counted_once() -> None:
