@@ -17,11 +17,21 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.f
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for at each position (as vLLM and OpenAI's chat)
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
 MAX_REPETITION_PENALTY = 10.0  # repetition penalty in (0, 10]; 1: none
+MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-100, 100] (OpenAI's range)
+MAX_BIASED_TOKENS = 1024  # token ids one request may bias
 
 
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
+
+
+def _bias_ok(pair: object) -> bool:
+    """A (token id, bias) pair: an integer >= 0 and a number in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]."""
+    if not (isinstance(pair, tuple) and len(pair) == 2):
+        return False
+    i, b = pair
+    return type(i) is int and i >= 0 and isinstance(b, (int, float)) and abs(b) <= MAX_LOGIT_BIAS
 
 
 @dataclass(frozen=True)
@@ -40,6 +50,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted from the logit of each token the output holds (sampling.penalize)
     frequency_penalty: float = 0.0  # ... times the number of times the output holds it
     repetition_penalty: float = 1.0  # divides a positive logit (multiplies a negative one) of prompt and output tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to that token's logit (a dict is taken)
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
@@ -59,6 +70,14 @@ class SamplingParams:
         r = self.repetition_penalty
         _check(isinstance(r, (int, float)) and 0 < r <= MAX_REPETITION_PENALTY,
                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {r!r}")
+        _check(isinstance(self.logit_bias, (dict, tuple, list)),
+               f"logit_bias must be a mapping, got {self.logit_bias!r}")
+        pairs = list(self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias)
+        _check(len(pairs) <= MAX_BIASED_TOKENS and all(_bias_ok(p) for p in pairs),
+               f"logit_bias must map at most {MAX_BIASED_TOKENS} token ids (integers >= 0) to biases in "
+               f"[{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {self.logit_bias!r}")
+        bias = tuple(sorted((int(i), float(b)) for i, b in pairs))
+        object.__setattr__(self, "logit_bias", bias)
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         _check(all(isinstance(s, str) and s for s in stop), f"stop must be non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", stop)

@@ -116,6 +116,8 @@ class Engine:
             raise ConfigError("the prompt is empty: give at least one token")
         if self.vocab_size is not None and not all(0 <= t < self.vocab_size for t in prompt):
             raise ConfigError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if self.vocab_size is not None and any(t >= self.vocab_size for t, _ in params.logit_bias):
+            raise ConfigError(f"logit_bias token ids must be in [0, {self.vocab_size})")
         need = len(prompt) + params.max_tokens
         if need > self.config.max_seq_len:
             raise ConfigError(

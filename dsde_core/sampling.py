@@ -45,6 +45,16 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
+def add_bias(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [n, V] -> logits [n, V] + the request's logit_bias (OpenAI's: l_t <- l_t + b_t at every position)."""
+    if not params.logit_bias:
+        return logits
+    ids = torch.tensor([i for i, _ in params.logit_bias], device=logits.device)  # [b]
+    out = logits.clone()
+    out[:, ids] += torch.tensor([b for _, b in params.logit_bias], dtype=out.dtype, device=out.device)
+    return out
+
+
 @dataclass(frozen=True)
 class History:
     """What penalties count before a step's drafts: every distinct token of the prompt and the output, sorted, and how

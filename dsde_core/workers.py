@@ -30,6 +30,7 @@ from dsde_core.sampling import (
     DraftDist,
     History,
     TokenLogprob,
+    add_bias,
     draft_dist,
     make_generator,
     penalize,
@@ -92,9 +93,10 @@ class _Slot:
 
     history: tuple[int, History] | None = None  # (len(committed), History): what penalties count, kept per length
 
-    def penalize(self, logits: torch.Tensor, drafts: list[int], first: int = 0) -> torch.Tensor:
+    def process(self, logits: torch.Tensor, drafts: list[int], first: int = 0) -> torch.Tensor:
         """logits [n, V], row j at the position after the committed tokens and drafts[:first + j] -> the logits the
-        request samples from (sampling.penalize; the same tensor when the request has no penalty)."""
+        request samples from: its logit bias, then its penalties (vLLM's order; the same tensor without either)."""
+        logits = add_bias(logits, self.params)
         if not self.params.penalized:
             return logits
         if self.history is None or self.history[0] != len(self.committed):
@@ -190,7 +192,7 @@ class DraftWorker(_Worker):
             next_batch = []
             for row, t in enumerate(live):
                 s, prop = self.slots[t.slot], out[t.slot]
-                row_logits = s.penalize(logits[row : row + 1], prop.tokens, len(prop.tokens))[0]  # [V]
+                row_logits = s.process(logits[row : row + 1], prop.tokens, len(prop.tokens))[0]  # [V]
                 dist = draft_dist(row_logits, s.params, self.top_k, with_entropy=t.min_confidence is not None)
                 x = sample_draft(dist, s.gen)
                 prop.tokens.append(x)
@@ -250,7 +252,7 @@ class TargetWorker(_Worker):
 
     def _judge(self, s: _Slot, slot: int, raw: torch.Tensor, prop: Proposal | None) -> Verdict:
         drafts = prop.tokens if prop else []
-        logits = s.penalize(raw, drafts)  # [k+1, V]: what the request samples from (the raw logits if no penalty)
+        logits = s.process(raw, drafts)  # [k+1, V]: what the request samples from (raw without a bias or penalty)
         if s.params.greedy:
             tokens = verify_greedy(logits, drafts)
         else:

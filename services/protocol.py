@@ -3,7 +3,7 @@
 Unknown fields are ignored, as OpenAI-compatible servers do. Log-probabilities: completions' `logprobs` (0-20
 alternatives; with `echo`, the prompt's too), chat's `logprobs` (true) with `top_logprobs` (0-20). Penalties:
 OpenAI's `presence_penalty` and `frequency_penalty` (-2 to 2), and vLLM's `repetition_penalty` (above 0, at most
-10; 1 is none).
+10; 1 is none). `logit_bias` (OpenAI's: token id -> bias in [-100, 100], at most 1024 ids).
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ class _Common(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY)  # vLLM's extra parameter
+    logit_bias: dict[int, float] | None = None  # token id (a string in JSON) -> bias in [-100, 100]
     speculation: SpeculationOptions = Field(default_factory=SpeculationOptions)
 
     @field_validator("stop")
@@ -88,7 +89,7 @@ class _Common(BaseModel):
                               top_k=max(0, self.top_k), seed=self.seed, stop=stop, logprobs=self.logprob_count(),
                               prompt_logprobs=self.prompt_logprob_count(),
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                              repetition_penalty=self.repetition_penalty)
+                              repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias or {})
 
     def logprob_count(self) -> int | None:
         """Alternatives per output token to report with its log-probability; None: no log-probabilities."""

@@ -201,6 +201,13 @@ def test_penalties_through_the_openai_client(tiny_app: App, reference_llm: Specu
     assert res.choices[0].text == ref.text and res.usage.completion_tokens == len(ref.token_ids)
     assert res.model_extra["speculation"]["drafted"] > 0
 
+    token = reference_llm.encode(" stack", False)[-1]  # OpenAI's logit_bias: +100 makes the greedy pick this token
+    chat = tiny_app.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=6, temperature=0, logit_bias={str(token): 100})
+    assert chat.choices[0].message.content == reference_llm.tokenizer.decode([token] * 6)
+    spec = chat.model_extra["speculation"]
+    assert spec["accepted"] == spec["drafted"] > 0  # the draft is biased too
+
 
 def test_echo_with_log_probabilities_scores_the_prompt(tiny_app: App, reference_llm: SpeculativeLLM) -> None:
     """What evaluation harnesses send to score a text (echo, logprobs, one token): the text starts with the prompt
@@ -367,6 +374,9 @@ BAD_REQUESTS = [
     ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
     ("completions", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"999999999": 1}}, 400, "logit_bias token ids"),
+    ("completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
      "top_logprobs needs logprobs"),
     ("completions", {"model": MODEL, "prompt": "hi", "stream": True, "max_tokens": 10**6}, 400, "context window"),

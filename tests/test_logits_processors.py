@@ -1,5 +1,6 @@
-"""Presence, frequency and repetition penalties: greedy output with speculation equals target-only decoding with the
-same penalties, and both equal a plain greedy loop over transformers' own model that penalizes its logits densely."""
+"""Logit bias and presence, frequency and repetition penalties: greedy output with speculation equals target-only
+decoding with the same processing, and both equal a plain greedy loop over transformers' own model that processes its
+logits densely."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from dsde_core.config import SamplingParams
+from dsde_core.errors import ConfigError
 from tests.tiny import DEVICE, VOCAB, hf_target, random_prompts, tiny_engine
 
 PROMPTS = random_prompts(6, seed=11)
@@ -15,12 +17,16 @@ PENALTIES = dict(presence_penalty=0.6, frequency_penalty=0.8, repetition_penalty
 
 
 def _reference(prompt: list[int], params: SamplingParams) -> list[int]:
-    """Greedy, one token at a time: the target's logits after prompt + output, penalized over the whole vocabulary."""
+    """Greedy, one token at a time: the target's logits after prompt + output, biased then penalized over the whole
+    vocabulary."""
     out: list[int] = []
     r = params.repetition_penalty
+    bias = torch.zeros(VOCAB)
+    for i, b in params.logit_bias:
+        bias[i] = b
     for _ in range(params.max_tokens):
         with torch.no_grad():
-            logits = hf_target()(torch.tensor([prompt + out], device=DEVICE)).logits[0, -1].float().cpu()  # [V]
+            logits = hf_target()(torch.tensor([prompt + out], device=DEVICE)).logits[0, -1].float().cpu() + bias  # [V]
         counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=VOCAB).float()  # [V]
         seen = torch.zeros(VOCAB, dtype=torch.bool)
         seen[prompt + out] = True
@@ -49,7 +55,8 @@ def test_penalized_greedy_output_is_the_targets_penalized_greedy_output(policy: 
 
 
 @pytest.mark.parametrize("penalty", [dict(presence_penalty=2.0), dict(frequency_penalty=-2.0),
-                                     dict(repetition_penalty=0.5)])
+                                     dict(repetition_penalty=0.5), dict(logit_bias={3: 4.0, 17: -3.0, 40: 2.5}),
+                                     dict(logit_bias={5: 2.0}, frequency_penalty=1.0)])
 def test_each_penalty_alone_stays_lossless(penalty: dict) -> None:
     params = SamplingParams(max_tokens=MAX_TOKENS, **penalty)
     reqs = _generate("static:4", params)
@@ -67,3 +74,22 @@ def test_the_draft_proposes_under_the_same_penalties() -> None:
         reqs = _generate("static:4", params)
         rate[name] = sum(r.stats.accepted for r in reqs) / sum(r.stats.drafted for r in reqs)
     assert rate["penalized"] > 0.8 * rate["plain"], rate
+
+
+def test_a_logit_bias_of_100_forces_its_token_and_minus_100_bans_it() -> None:
+    plain = _generate("off", SamplingParams(max_tokens=MAX_TOKENS))
+    banned = plain[0].output_ids[0]
+    reqs = _generate("static:4", SamplingParams(max_tokens=MAX_TOKENS, logit_bias={banned: -100.0}))
+    assert all(banned not in r.output_ids for r in reqs)
+    forced = _generate("static:4", SamplingParams(max_tokens=MAX_TOKENS, logit_bias={7: 100.0}))
+    assert all(r.output_ids == [7] * MAX_TOKENS for r in forced)
+    assert sum(r.stats.accepted for r in forced) == sum(r.stats.drafted for r in forced) > 0  # the draft is biased too
+
+
+def test_logit_bias_is_checked() -> None:
+    assert SamplingParams(logit_bias={9: 1, 2: -0.5}).logit_bias == ((2, -0.5), (9, 1.0))
+    for bad in [{1: 101.0}, {-1: 1.0}, {"1": 1.0}, {1: float("nan")}, {i: 1.0 for i in range(1025)}, 5]:
+        with pytest.raises(ConfigError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+    with pytest.raises(ConfigError, match=f"logit_bias token ids must be in \\[0, {VOCAB}\\)"):
+        tiny_engine("off").add_request(PROMPTS[0], SamplingParams(logit_bias={VOCAB: 1.0}))
