@@ -1,6 +1,8 @@
 """The OpenAI-compatible request bodies (pydantic, with bounds) and the error body.
 
-Unknown fields are ignored, as OpenAI-compatible servers do. Log-probabilities: completions' `logprobs` (0-20
+Unknown fields are ignored, as OpenAI-compatible servers do; OpenAI's fields that this server does not implement and
+that would change the answer (`suffix`, `best_of` above `n`, `tools`, `functions`, a `response_format` other than
+text) are a 400 naming the field, never ignored. Log-probabilities: completions' `logprobs` (0-20
 alternatives; with `echo`, the prompt's too), chat's `logprobs` (true) with `top_logprobs` (0-20). Penalties:
 OpenAI's `presence_penalty` and `frequency_penalty` (-2 to 2), and vLLM's `repetition_penalty` (above 0, at most
 10; 1 is none). `logit_bias` (OpenAI's: token id -> bias in [-100, 100], at most 1024 ids).
@@ -108,6 +110,8 @@ class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1, le=1 << 20)  # OpenAI's default for completions
     echo: bool = False  # the text starts with the prompt (and the log-probabilities with the prompt's)
+    suffix: str | None = None  # refused unless empty (_unsupported)
+    best_of: int | None = None  # refused above n (_unsupported)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token (None: none)
 
     def logprob_count(self) -> int | None:
@@ -115,6 +119,14 @@ class CompletionRequest(_Common):
 
     def prompt_logprob_count(self) -> int | None:
         return self.logprobs if self.echo else None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> CompletionRequest:
+        if self.suffix:
+            raise ValueError("suffix (text insertion) is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of is not supported (ask for n={self.n} choices instead), got {self.best_of}")
+        return self
 
     @field_validator("prompt")
     @classmethod
@@ -148,11 +160,22 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None  # refused unless empty (_unsupported)
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None  # refused unless {"type": "text"}
 
     @model_validator(mode="after")
     def _max_tokens_alias(self) -> ChatCompletionRequest:
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
+        return self
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> ChatCompletionRequest:
+        if self.tools or self.functions:
+            raise ValueError("tools and functions (function calling) are not supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError(f"response_format {self.response_format.get('type')!r} is not supported (only text)")
         return self
 
     @model_validator(mode="after")

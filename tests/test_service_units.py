@@ -169,7 +169,8 @@ def test_request_models_bound_their_fields() -> None:
                 dict(prompt=["a", "b"]),
                 dict(logprobs=21), dict(logprobs=-1), dict(presence_penalty=2.5), dict(frequency_penalty=-2.1),
                 dict(repetition_penalty=0), dict(repetition_penalty=10.5), dict(speculation={"max_sl": 65}),
-                dict(speculation={"policy": "x"}), dict(stop=[""]), dict(seed=-1)]:
+                dict(speculation={"policy": "x"}), dict(stop=[""]), dict(seed=-1), dict(suffix="x"),
+                dict(best_of=2)]:
         with pytest.raises(ValidationError):
             CompletionRequest(**{"model": "m", "prompt": "hi", **bad})
     assert CompletionRequest(model="m", prompt="hi", logprobs=0).sampling(5).logprobs == 0
@@ -184,9 +185,12 @@ def test_request_models_bound_their_fields() -> None:
     assert ChatCompletionRequest(model="m", messages=user, logprobs=True, top_logprobs=5).sampling(5).logprobs == 5
     assert ChatCompletionRequest(model="m", messages=user, logprobs=True).sampling(5).logprobs == 0
     assert ChatCompletionRequest(model="m", messages=user, top_logprobs=0).sampling(5).logprobs is None
-    for bad in [dict(top_logprobs=2), dict(logprobs=True, top_logprobs=21), dict(logprobs=3)]:
+    for bad in [dict(top_logprobs=2), dict(logprobs=True, top_logprobs=21), dict(logprobs=3), dict(tools=[{}]),
+                dict(functions=[{}]), dict(response_format={"type": "json_schema"})]:
         with pytest.raises(ValidationError):
             ChatCompletionRequest(model="m", messages=user, **bad)
+    assert ChatCompletionRequest(model="m", messages=user, tools=[], response_format={"type": "text"}).tools == []
+    assert CompletionRequest(model="m", prompt="hi", n=2, best_of=2, suffix="").best_of == 2  # neutral: accepted
     with pytest.raises(ValidationError):
         ChatCompletionRequest(model="m", messages=[])
     with pytest.raises(ValidationError):
