@@ -19,6 +19,7 @@ MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's r
 MAX_REPETITION_PENALTY = 10.0  # repetition penalty in (0, 10]; 1: none
 MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-100, 100] (OpenAI's range)
 MAX_BIASED_TOKENS = 1024  # token ids one request may bias
+MAX_STOP_TOKEN_IDS = 64  # token ids one request may stop on
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -42,9 +43,12 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k
+    min_p: float = 0.0  # drop the tokens whose probability is under min_p times the likeliest's; 0: none
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end the request as an end-of-sequence token does (not output)
+    min_tokens: int = 0  # the end-of-sequence and stop_token_ids are held off until the output has this many tokens
     logprobs: int | None = None  # None: none; n: each output token's log-probability and the n likeliest (sampling.py)
     prompt_logprobs: int | None = None  # the same for each prompt token after the first (what an echo reports)
     presence_penalty: float = 0.0  # subtracted from the logit of each token the output holds (sampling.penalize)
@@ -58,6 +62,15 @@ class SamplingParams:
         _check(0.0 <= self.temperature <= 100.0, f"temperature must be in [0, 100], got {self.temperature!r}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}")
+        _check(isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0,
+               f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(type(self.min_tokens) is int and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        stops = self.stop_token_ids
+        _check(isinstance(stops, (tuple, list)) and len(stops) <= MAX_STOP_TOKEN_IDS
+               and all(type(t) is int and t >= 0 for t in stops),
+               f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids (integers >= 0), got {stops!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(sorted(set(stops))))
         _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)

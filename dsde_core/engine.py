@@ -100,6 +100,8 @@ class Engine:
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
         self.validate(prompt, params)
+        if params.min_tokens and not params.ignore_eos:  # the workers hold the end-of-sequence off too
+            params = replace(params, stop_token_ids=tuple(self.eos_ids | set(params.stop_token_ids)))
         with self._lock:
             req_id = req_id or f"req-{next(self._ids)}"
             if req_id in self.requests:
@@ -118,6 +120,8 @@ class Engine:
             raise ConfigError(f"prompt token ids must be in [0, {self.vocab_size})")
         if self.vocab_size is not None and any(t >= self.vocab_size for t, _ in params.logit_bias):
             raise ConfigError(f"logit_bias token ids must be in [0, {self.vocab_size})")
+        if self.vocab_size is not None and any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise ConfigError(f"stop_token_ids must be in [0, {self.vocab_size})")
         need = len(prompt) + params.max_tokens
         if need > self.config.max_seq_len:
             raise ConfigError(
@@ -286,7 +290,7 @@ class Engine:
         r.stats.record_step(len(v.kld), v.accepted)
         new: list[int] = []
         for tok in v.tokens:
-            if tok in self.eos_ids and not r.params.ignore_eos:
+            if (tok in self.eos_ids and not r.params.ignore_eos) or tok in r.params.stop_token_ids:
                 r.finish_reason = "stop"
                 break
             new.append(tok)

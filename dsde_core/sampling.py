@@ -5,6 +5,7 @@ Shapes: V = vocabulary, K = draft top-K (what crosses from draft to target), k =
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,8 +29,12 @@ def make_generator(seed: int | None, stream: int, device: str = "cpu") -> torch.
     return gen
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """logits [..., N] -> logits with -inf outside the top-k and outside the smallest top-p nucleus."""
+HELD = -1e9  # the logit of a token held off (min_tokens): finite, so 0 * logit stays 0 in an entropy
+
+
+def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """logits [..., N] -> logits with -inf outside the top-k, outside the smallest top-p nucleus, and where
+    p_t < min_p * p_max, i.e. z_t < z_max + log(min_p) (free of the normalisation: the same over the draft's top-K)."""
     n = logits.shape[-1]
     if top_k and top_k < n:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
@@ -42,6 +47,8 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
         drop_sorted[..., 0] = False  # also when top_p rounds to 0 in the logits' dtype (a top_p of 1e-300)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if min_p > 0.0:
+        logits = logits.masked_fill(logits < logits.max(-1, keepdim=True).values + math.log(min_p), float("-inf"))
     return logits
 
 
@@ -52,6 +59,17 @@ def add_bias(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     ids = torch.tensor([i for i, _ in params.logit_bias], device=logits.device)  # [b]
     out = logits.clone()
     out[:, ids] += torch.tensor([b for _, b in params.logit_bias], dtype=out.dtype, device=out.device)
+    return out
+
+
+def hold_stops(logits: torch.Tensor, params: SamplingParams, produced: int) -> torch.Tensor:
+    """logits [n, V], row j after `produced` + j output tokens -> the rows under min_tokens with the request's stop
+    token ids (the engine adds the end-of-sequence ids) at HELD, so they cannot end the request early."""
+    rows = min(logits.shape[0], params.min_tokens - produced)
+    if rows <= 0 or not params.stop_token_ids:
+        return logits
+    out = logits.clone()
+    out[:rows, list(params.stop_token_ids)] = HELD
     return out
 
 
@@ -105,7 +123,7 @@ def penalize(logits: torch.Tensor, history: History, drafts: Sequence[int], para
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The target's sampling distribution p: logits [n, V] fp32 -> probs [n, V] (temperature > 0 only)."""
     assert params.temperature > 0, "greedy requests are verified on the argmax"
-    return torch.softmax(_filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p), dim=-1)
+    return torch.softmax(_filter(logits / params.temperature, params.top_k, params.top_p, params.min_p), dim=-1)
 
 
 @dataclass(frozen=True)
@@ -156,7 +174,7 @@ def draft_dist(logits: torch.Tensor, params: SamplingParams, top_k: int, with_en
         q_sample = torch.zeros_like(top_logits)
         q_sample[0] = 1.0  # greedy draft: one-hot on its argmax
     else:
-        filtered = _filter_top_k_top_p(top_logits / params.temperature, params.top_k, params.top_p)
+        filtered = _filter(top_logits / params.temperature, params.top_k, params.top_p, params.min_p)
         q_sample = torch.softmax(filtered, dim=-1)
     return DraftDist(ids, q_sample, q_signal, entropy)
 

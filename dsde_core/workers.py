@@ -32,6 +32,7 @@ from dsde_core.sampling import (
     TokenLogprob,
     add_bias,
     draft_dist,
+    hold_stops,
     make_generator,
     penalize,
     sample_draft,
@@ -95,8 +96,9 @@ class _Slot:
 
     def process(self, logits: torch.Tensor, drafts: list[int], first: int = 0) -> torch.Tensor:
         """logits [n, V], row j at the position after the committed tokens and drafts[:first + j] -> the logits the
-        request samples from: its logit bias, then its penalties (vLLM's order; the same tensor without either)."""
-        logits = add_bias(logits, self.params)
+        request samples from: stop tokens held off under min_tokens, its logit bias, then its penalties (vLLM's order;
+        the same tensor without any)."""
+        logits = add_bias(hold_stops(logits, self.params, len(self.committed) - self.prompt_len + first), self.params)
         if not self.params.penalized:
             return logits
         if self.history is None or self.history[0] != len(self.committed):

@@ -5,7 +5,8 @@ that would change the answer (`suffix`, `best_of` above `n`, `tools`, `functions
 text) are a 400 naming the field, never ignored. Log-probabilities: completions' `logprobs` (0-20
 alternatives; with `echo`, the prompt's too), chat's `logprobs` (true) with `top_logprobs` (0-20). Penalties:
 OpenAI's `presence_penalty` and `frequency_penalty` (-2 to 2), and vLLM's `repetition_penalty` (above 0, at most
-10; 1 is none). `logit_bias` (OpenAI's: token id -> bias in [-100, 100], at most 1024 ids).
+10; 1 is none). `logit_bias` (OpenAI's: token id -> bias in [-100, 100], at most 1024 ids). vLLM's `min_p`,
+`min_tokens`, `stop_token_ids` and `ignore_eos`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from dsde_core.config import MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, SamplingParams, SpeculationParams
+from dsde_core.config import (
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+    SpeculationParams,
+)
 
 MAX_STOP = 16
 MAX_N = 16  # choices per request
@@ -71,6 +79,10 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY)  # vLLM's extra parameter
     logit_bias: dict[int, float] | None = None  # token id (a string in JSON) -> bias in [-100, 100]
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # vLLM's extra parameters, from here on
+    min_tokens: int = Field(default=0, ge=0, le=1 << 20)
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    ignore_eos: bool = False
     speculation: SpeculationOptions = Field(default_factory=SpeculationOptions)
 
     @field_validator("stop")
@@ -91,7 +103,9 @@ class _Common(BaseModel):
                               top_k=max(0, self.top_k), seed=self.seed, stop=stop, logprobs=self.logprob_count(),
                               prompt_logprobs=self.prompt_logprob_count(),
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                              repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias or {})
+                              repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias or {},
+                              min_p=self.min_p, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids or (),
+                              ignore_eos=self.ignore_eos)
 
     def logprob_count(self) -> int | None:
         """Alternatives per output token to report with its log-probability; None: no log-probabilities."""

@@ -16,10 +16,11 @@ MAX_TOKENS = 24
 PENALTIES = dict(presence_penalty=0.6, frequency_penalty=0.8, repetition_penalty=1.5)
 
 
-def _reference(prompt: list[int], params: SamplingParams) -> list[int]:
-    """Greedy, one token at a time: the target's logits after prompt + output, biased then penalized over the whole
-    vocabulary."""
+def _reference(prompt: list[int], params: SamplingParams, eos: tuple[int, ...] = ()) -> list[int]:
+    """Greedy, one token at a time: the target's logits after prompt + output, stop tokens held off under min_tokens,
+    biased then penalized over the whole vocabulary; an end-of-sequence or stop token ends it (not output)."""
     out: list[int] = []
+    stops = set(params.stop_token_ids) | set(eos)
     r = params.repetition_penalty
     bias = torch.zeros(VOCAB)
     for i, b in params.logit_bias:
@@ -32,12 +33,17 @@ def _reference(prompt: list[int], params: SamplingParams) -> list[int]:
         seen[prompt + out] = True
         logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
         logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
-        out.append(int(logits.argmax()))
+        if len(out) < params.min_tokens:
+            logits[list(stops)] = float("-inf")
+        token = int(logits.argmax())
+        if token in stops:
+            return out
+        out.append(token)
     return out
 
 
-def _generate(policy: str, params: SamplingParams) -> list:
-    engine = tiny_engine(policy)
+def _generate(policy: str, params: SamplingParams, eos: tuple[int, ...] = ()) -> list:
+    engine = tiny_engine(policy, eos=eos)
     reqs = [engine.add_request(p, params) for p in PROMPTS]
     engine.run()
     return reqs
@@ -93,3 +99,40 @@ def test_logit_bias_is_checked() -> None:
             SamplingParams(logit_bias=bad)
     with pytest.raises(ConfigError, match=f"logit_bias token ids must be in \\[0, {VOCAB}\\)"):
         tiny_engine("off").add_request(PROMPTS[0], SamplingParams(logit_bias={VOCAB: 1.0}))
+
+
+def test_stop_token_ids_end_the_request_where_target_only_decoding_ends() -> None:
+    plain = _generate("off", SamplingParams(max_tokens=MAX_TOKENS))
+    stop = plain[0].output_ids[5]
+    params = SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=[stop])
+    reqs = _generate("static:4", params)
+    assert reqs[0].output_ids == plain[0].output_ids[: plain[0].output_ids.index(stop)]
+    assert reqs[0].finish_reason == "stop"
+    assert [r.output_ids for r in reqs] == [_reference(p, params) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("policy", ["off", "static:4"])
+def test_min_tokens_holds_the_end_of_sequence_off(policy: str) -> None:
+    """An eos the output would reach after 3 tokens waits until 12: both workers hold it off for those positions."""
+    plain = _generate("off", SamplingParams(max_tokens=MAX_TOKENS))
+    eos = (plain[0].output_ids[3],)
+    early = _generate(policy, SamplingParams(max_tokens=MAX_TOKENS), eos=eos)
+    assert len(early[0].output_ids) == 3 and early[0].finish_reason == "stop"
+    params = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=12)
+    held = _generate(policy, params, eos=eos)
+    assert all(len(r.output_ids) >= 12 for r in held)
+    assert [r.output_ids for r in held] == [_reference(p, params, eos) for p in PROMPTS]
+    if policy != "off":
+        assert sum(r.stats.accepted for r in held) > 0
+    ignoring = _generate(policy, SamplingParams(max_tokens=MAX_TOKENS, min_tokens=12, ignore_eos=True), eos=eos)
+    assert len(ignoring[0].output_ids) == MAX_TOKENS
+
+
+def test_stop_token_checks() -> None:
+    assert SamplingParams(stop_token_ids=[9, 2, 9]).stop_token_ids == (2, 9)
+    for bad in [dict(stop_token_ids=[-1]), dict(stop_token_ids=list(range(65))), dict(min_tokens=-1),
+                dict(max_tokens=4, min_tokens=5), dict(min_p=1.5)]:
+        with pytest.raises(ConfigError):
+            SamplingParams(**bad)
+    with pytest.raises(ConfigError, match="stop_token_ids must be in"):
+        tiny_engine("off").add_request(PROMPTS[0], SamplingParams(stop_token_ids=[VOCAB]))

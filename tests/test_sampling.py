@@ -158,3 +158,13 @@ def test_penalize_row_j_counts_the_output_and_the_first_j_drafts() -> None:
     assert torch.equal(logits, torch.tensor([[2.0, -1.0, 1.0, 3.0, 0.5, -0.5, 1.5, -2.0]]).repeat(3, 1))  # kept
     assert torch.allclose(penalize(logits[:1], history, [4, 5], params, first=2), want[2:])  # one row, after both
     assert penalize(logits, history, [], SamplingParams()) is logits  # no penalty: nothing computed
+
+
+def test_min_p_drops_tokens_under_a_fraction_of_the_likeliest() -> None:
+    """p = [0.5, 0.3, 0.15, 0.05]: min_p 0.35 keeps p >= 0.175 (the first two); the draft's sparse q_sample too."""
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    p = target_probs(logits, SamplingParams(temperature=1.0, min_p=0.35))
+    assert torch.allclose(p, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    d = draft_dist(logits[0], SamplingParams(temperature=1.0, min_p=0.35), top_k=3)
+    assert torch.allclose(d.q_sample, torch.tensor([0.625, 0.375, 0.0]))
+    assert torch.allclose(target_probs(logits, SamplingParams(temperature=1.0, min_p=0.0)), logits.exp())

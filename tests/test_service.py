@@ -208,6 +208,15 @@ def test_penalties_through_the_openai_client(tiny_app: App, reference_llm: Specu
     spec = chat.model_extra["speculation"]
     assert spec["accepted"] == spec["drafted"] > 0  # the draft is biased too
 
+    [plain] = reference_llm.generate([PROMPTS[0]], SamplingParams(max_tokens=16), policy="off")  # vLLM's extras
+    stop = plain.token_ids[6]
+    res = tiny_app.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0,
+                                               extra_body={"stop_token_ids": [stop], "min_tokens": 2,
+                                                           "ignore_eos": True, "min_p": 0.05})
+    cut = plain.token_ids.index(stop)
+    assert res.choices[0].text == reference_llm.tokenizer.decode(plain.token_ids[:cut])
+    assert res.choices[0].finish_reason == "stop" and res.usage.completion_tokens == cut
+
 
 def test_echo_with_log_probabilities_scores_the_prompt(tiny_app: App, reference_llm: SpeculativeLLM) -> None:
     """What evaluation harnesses send to score a text (echo, logprobs, one token): the text starts with the prompt
@@ -378,6 +387,9 @@ BAD_REQUESTS = [
     ("completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"999999999": 1}}, 400, "logit_bias token ids"),
     ("completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ("completions", {"model": MODEL, "prompt": "hi", "suffix": "end"}, 400, "suffix"),
+    ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+    ("completions", {"model": MODEL, "prompt": "hi", "stop_token_ids": [10**7]}, 400, "stop_token_ids"),
+    ("completions", {"model": MODEL, "prompt": "hi", "min_p": 2}, 400, "min_p"),
     ("completions", {"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                           "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
