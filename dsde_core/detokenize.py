@@ -1,8 +1,41 @@
-"""Incremental detokenization with stop strings: text streams out as tokens are accepted."""
+"""Incremental detokenization with stop strings: text streams out as tokens are accepted. And a token's own bytes."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+from functools import cache
 from typing import Any
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback tokens
+
+
+@cache
+def _byte_level_table() -> dict[str, int]:
+    """Byte-level BPE's (GPT-2's) alphabet back to bytes: printable bytes stand for themselves, the other 68 bytes
+    for the characters from U+0100 on, in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    moved = [b for b in range(256) if b not in kept]
+    return {chr(b): b for b in kept} | {chr(256 + i): b for i, b in enumerate(moved)}
+
+
+def token_bytes(tokenizer: Any) -> Callable[[int], bytes]:
+    """id -> the token's own bytes, what OpenAI's logprobs `bytes` hold: a character split across tokens has part of
+    its UTF-8 in each, where the token decoded alone reads U+FFFD. Byte-level BPE (GPT-2, Qwen, Llama 3) maps its token
+    string back through its alphabet; SentencePiece's byte tokens are <0xNN>; any other token: its text's UTF-8."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    table = _byte_level_table() if type(decoder).__name__ == "ByteLevel" else None
+
+    def raw(token_id: int) -> bytes:
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            if table is not None and all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+            if m := _BYTE_TOKEN.fullmatch(piece):
+                return bytes([int(m.group(1), 16)])
+        return tokenizer.decode([token_id]).encode()
+
+    return raw
 
 
 class TextStream:

@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsde_core.async_engine import AsyncEngine
 from dsde_core.config import SamplingParams
+from dsde_core.detokenize import token_bytes
 from dsde_core.engine import Engine
 from dsde_core.errors import ConfigError, VocabularyMismatchError, WorkerUnavailable
 from dsde_core.request import RequestOutput
@@ -309,6 +310,7 @@ class DSDEServer:
         self.actors = start_actors(cfg, self.policy_config)
         _check_vocab(self.actors)
         self.tokenizer = self.actors.target_info.tokenizer
+        self._token_bytes = token_bytes(self.tokenizer)  # logprobs' `bytes`: a token's own, not its text's
         self.metrics = ServiceMetrics(self.model)
         set_current_metrics(self.metrics)
         self.controller = ControllerProxy(self.actors.controller)
@@ -431,10 +433,10 @@ class DSDEServer:
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest) -> Any:
         self._check_model(body.model)
-        prompt = body.prompt
-        ids = list(self.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else [int(t) for t in prompt]
-        echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if body.echo else None
-        return await self._generate(body, ids, chat=False, echo=echo)
+        prompts = body.prompts()
+        ids = [list(self.tokenizer(p)["input_ids"]) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+        echoes = [p if isinstance(p, str) else self.tokenizer.decode(i) for p, i in zip(prompts, ids, strict=True)]
+        return await self._generate(body, ids, chat=False, echoes=echoes if body.echo else None)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest) -> Any:
@@ -444,7 +446,7 @@ class DSDEServer:
         except Exception as e:
             raise APIError(400, f"cannot apply the chat template: {e}", "messages") from None
         ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        return await self._generate(body, ids, chat=True)
+        return await self._generate(body, [ids], chat=True)
 
     # ---- the work -----------------------------------------------------------------------------------
     def _check_model(self, model: str) -> None:
@@ -466,31 +468,36 @@ class DSDEServer:
 
     def _admit(self, n: int = 1) -> None:
         """Refuse a request the engine must not take: 503 while draining, 429 when the queue has no room for its n
-        choices (400 where it never could)."""
+        choices (n per prompt; 400 where it never could)."""
         retry = {"Retry-After": str(self.cfg.retry_after_s)}
         if self.draining:
             raise APIError(503, "the server is shutting down and takes no new requests", type_="server_error",
                            headers=retry)
         limit = self.cfg.max_batch_size + self.cfg.max_queue
         if n > limit:
-            raise APIError(400, f"n={n} choices exceed this server's capacity of {limit} requests "
+            raise APIError(400, f"{n} choices (n per prompt) exceed this server's capacity of {limit} requests "
                                 f"(max_batch_size + max_queue)", "n")
         if len(self.engine.requests) + n > limit:
             raise APIError(429, f"the server is at capacity ({self.cfg.max_batch_size} running and "
                                 f"{self.cfg.max_queue} waiting requests); retry after {self.cfg.retry_after_s}s",
                            type_="rate_limit_error", headers=retry)
 
-    async def _generate(self, body: CompletionRequest | ChatCompletionRequest, ids: list[int], chat: bool,
-                        echo: str | None = None) -> Any:
-        params = self._params(body, ids)
-        self._admit(body.n)
-        reply = Reply(self.model, chat, len(ids), body.n, decode=None if params.logprobs is None else self._token_text,
-                      echo=echo, prompt_ids=ids if params.prompt_logprobs is not None else None)
+    async def _generate(self, body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], chat: bool,
+                        echoes: list[str] | None = None) -> Any:
+        """n choices per prompt, each its own engine request: choice k is prompt k // n's, with seed + k % n."""
+        params = [self._params(body, ids) for ids in prompts]
+        n = body.n
+        self._admit(len(prompts) * n)
+        asks = params[0].prompt_logprobs is not None
+        reply = Reply(self.model, chat, sum(map(len, prompts)), n,
+                      decode=None if params[0].logprobs is None else self._token_text, prompts=len(prompts),
+                      echoes=echoes, prompt_ids=prompts if asks else None, raw=self._token_bytes)
         # each choice joins the engine's queue now (the queue bound above counts it at once)
-        outputs = [self._track(self.aengine.submit(ids, choice_params(params, i), body.speculation.params(),
-                                                   reply.request_id(i)), reply, i) for i in range(body.n)]
-        for _ in outputs:
-            self.metrics.on_admit(len(ids))
+        outputs = [self._track(self.aengine.submit(prompts[k // n], choice_params(params[k // n], k % n),
+                                                   body.speculation.params(), reply.request_id(k)), reply, k)
+                   for k in range(len(reply.choices))]
+        for k in range(len(reply.choices)):
+            self.metrics.on_admit(len(prompts[k // n]))
         if body.stream:
             return _Stream(self._stream(merge(outputs), reply, body.include_usage),
                            on_close=lambda: self._cancel_all(reply))
@@ -509,7 +516,7 @@ class DSDEServer:
         return self.tokenizer.decode([token_id])
 
     def _cancel_all(self, reply: Reply) -> None:
-        for i in range(reply.n):
+        for i in range(len(reply.choices)):
             req_id = reply.request_id(i)
             if req_id in self.engine.requests:  # not finished: free it at the next step
                 self.aengine.cancel(req_id)
@@ -535,9 +542,9 @@ class DSDEServer:
                       ) -> AsyncIterator[str]:
         async with contextlib.aclosing(outputs):
             if reply.chat:
-                for i in range(reply.n):
+                for i in range(len(reply.choices)):
                     yield sse(reply.chunk("", role=True, index=i))
-            echoes = dict.fromkeys(range(reply.n), reply.echo or "")  # each choice's first chunk starts with it
+            echoes = {c.index: c.echo for c in reply.choices}  # each choice's first chunk starts with its echo
             async for i, out in outputs:
                 if out.finish_reason == "error":  # one choice failed: the stream ends (the others are cancelled)
                     yield sse(error_body(out.error or "generation failed", ERROR_STATUS.get(out.error_type, 500)))

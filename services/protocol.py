@@ -25,7 +25,8 @@ from dsde_core.config import (
 )
 
 MAX_STOP = 16
-MAX_N = 16  # choices per request
+MAX_N = 16  # choices per prompt
+MAX_PROMPTS = 64  # prompts per completions request (the engine's queue bounds prompts * n too)
 MAX_STOP_CHARS = 256  # per stop string
 GREEDY_BELOW = 1e-5  # a temperature under this is greedy (as in vLLM): 1 / T would overflow the logits
 
@@ -144,12 +145,15 @@ class CompletionRequest(_Common):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: Any) -> Any:
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError(f"one prompt per request is supported, got {len(v)}")
-            return v[0]
+    def _some_prompts(cls, v: Any) -> Any:
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)) and len(v) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(v)}")
         return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: a string or token ids is one; a list of strings or of token-id lists is several."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or not p or isinstance(p[0], int) else list(p)
 
 
 class ContentPart(BaseModel):

@@ -4,12 +4,14 @@ Beside the standard fields, every final body (and the last chunk of a stream) ca
 request's drafted and accepted tokens, acceptance rate, mean speculation length and target steps (a body's over all
 its choices; a stream's on each choice's last chunk, that choice's).
 
-A request for n choices is n engine requests (choice i samples with seed + i where a seed is given); a stream
-interleaves their chunks, each with its choice's index, and `usage` counts the prompt once and every choice's tokens.
+A request for n choices is n engine requests per prompt (choice k is prompt k // n's, sampling with seed + k % n where
+a seed is given); a stream interleaves their chunks, each with its choice's index, and `usage` counts each prompt once
+and every choice's tokens.
 
 Log-probabilities, where a request asks for them, in OpenAI's two shapes: completions' {tokens, token_logprobs,
 top_logprobs, text_offset} (offsets into the completion's text) and chat's {content: [{token, logprob, bytes,
-top_logprobs}]}; a token's text is its id decoded alone. A stream's chunk carries those of the tokens recorded since
+top_logprobs}]}; a token's text is its id decoded alone, its bytes its own (part of a character's UTF-8 where the
+character spans tokens, whose text then reads U+FFFD). A stream's chunk carries those of the tokens recorded since
 the last chunk (a token whose text the detokenizer still holds back rides with the next chunk that has text).
 Completions' `echo` starts each choice's text with the prompt (a stream: its first chunk), and its log-probabilities
 with the prompt's (the first prompt token's null, as OpenAI's).
@@ -57,6 +59,8 @@ class Choice:
     index: int
     decode: Callable[[int], str] | None = None  # a token's text; set where the request asks for logprobs
     prompt_ids: list[int] | None = None  # an echo's prompt, whose log-probabilities come first
+    raw: Callable[[int], bytes] | None = None  # a token's own bytes (chat's `bytes`); None: its text's UTF-8
+    echo: str = ""  # completions' echo: the prompt's text, which the choice's text starts with
     completion_tokens: int = 0
     unsent: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)  # recorded, not yet sent
     offset: int = 0  # characters of the token texts sent (completions' text_offset)
@@ -76,9 +80,9 @@ class Choice:
         unsent, self.unsent = self.unsent, []
         texts = [self.decode(t) for t, _ in unsent]
         if chat:
-            return {"content": [{**_chat_entry(text, lp.logprob),
-                                 "top_logprobs": [_chat_entry(self.decode(i), v) for i, v in lp.top]}
-                                for text, (_, lp) in zip(texts, unsent, strict=True)], "refusal": None}
+            return {"content": [{**self._chat_entry(t, lp.logprob, text),
+                                 "top_logprobs": [self._chat_entry(i, v) for i, v in lp.top]}
+                                for text, (t, lp) in zip(texts, unsent, strict=True)], "refusal": None}
         offsets = []
         for text in texts:
             offsets.append(self.offset)
@@ -87,29 +91,34 @@ class Choice:
                 "top_logprobs": [lp and {self.decode(i): v for i, v in lp.top} for _, lp in unsent],
                 "text_offset": offsets}
 
-
-def _chat_entry(text: str, logprob: float) -> dict[str, Any]:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    def _chat_entry(self, token_id: int, logprob: float, text: str | None = None) -> dict[str, Any]:
+        text = self.decode(token_id) if text is None else text  # decode is set: logprobs() returned early otherwise
+        raw = self.raw(token_id) if self.raw is not None else text.encode()
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
 
 @dataclass
 class Reply:
-    """One request's identity and its n choices' running totals; builds its bodies and chunks."""
+    """One request's identity and its choices' running totals (n per prompt; choice k is prompt k // n's, as OpenAI
+    indexes them); builds its bodies and chunks."""
 
     model: str
     chat: bool
-    prompt_tokens: int
+    prompt_tokens: int  # all prompts'
     n: int = 1
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     decode: Callable[[int], str] | None = None  # a token's text; set where the request asks for logprobs
-    echo: str | None = None  # completions' echo: the prompt's text, which each choice's text starts with
-    prompt_ids: list[int] | None = None  # with an echo: the prompt, whose log-probabilities each choice's start with
+    prompts: int = 1  # completions take several prompts
+    echoes: list[str] | None = None  # completions' echo: each prompt's text, which its choices' texts start with
+    prompt_ids: list[list[int]] | None = None  # with an echo and logprobs: each prompt, whose log-probabilities lead
+    raw: Callable[[int], bytes] | None = None  # a token's own bytes (chat's logprobs); None: its text's UTF-8
     choices: list[Choice] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.choices = [Choice(i, self.decode, self.prompt_ids) for i in range(self.n)]
+        self.choices = [Choice(k, self.decode, self.prompt_ids[k // self.n] if self.prompt_ids else None, self.raw,
+                               self.echoes[k // self.n] if self.echoes else "") for k in range(self.prompts * self.n)]
 
     @property
     def object(self) -> str:
@@ -117,7 +126,7 @@ class Reply:
 
     def request_id(self, index: int) -> str:
         """The engine's id for choice `index` (the reply's own id for a single choice)."""
-        return self.id if self.n == 1 else f"{self.id}-{index}"
+        return self.id if len(self.choices) == 1 else f"{self.id}-{index}"
 
     def record(self, out: RequestOutput, index: int = 0) -> None:
         self.choices[index].record(out)
@@ -138,7 +147,7 @@ class Reply:
                 choices.append({"index": c.index, "message": {"role": "assistant", "content": text},
                                 "logprobs": c.logprobs(True), "finish_reason": finish_reason})
             else:
-                choices.append({"index": c.index, "text": (self.echo or "") + text, "logprobs": c.logprobs(False),
+                choices.append({"index": c.index, "text": c.echo + text, "logprobs": c.logprobs(False),
                                 "finish_reason": finish_reason})
         return {**self._head(self.object), "choices": choices, "usage": self.usage(),
                 "speculation": speculation_stats(combined([stats for *_, stats in finals]))}

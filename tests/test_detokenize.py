@@ -1,8 +1,11 @@
-"""Incremental detokenization: deltas add up to the text; stop strings are found across token borders."""
+"""Incremental detokenization: deltas add up to the text; stop strings are found across token borders. A token's
+own bytes."""
 
 from __future__ import annotations
 
-from dsde_core.detokenize import TextStream
+import pytest
+
+from dsde_core.detokenize import TextStream, token_bytes
 
 
 class CharTokenizer:
@@ -63,3 +66,31 @@ def test_incomplete_utf8_waits_for_the_next_token() -> None:
     s = TextStream(CharTokenizer())
     assert s.add([0, 9]) == "a"
     assert s.add([10]) == "é"
+
+
+@pytest.mark.real_models
+@pytest.mark.parametrize("text", ["\ua66e", "🦜🪿 and 𓀀", "é中文 😀", "hello <|im_end|>"])
+def test_a_tokens_bytes_are_its_own_even_where_it_holds_part_of_a_character(text: str) -> None:
+    """Qwen's byte-level BPE: a character split across tokens has part of its UTF-8 in each (decoded alone, each reads
+    U+FFFD); the tokens' bytes joined are the text's UTF-8."""
+    from transformers import AutoTokenizer
+
+    from tests.service_support import qwen_tokenizer_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir()))
+    ids = tokenizer(text)["input_ids"]
+    raw = token_bytes(tokenizer)
+    assert b"".join(raw(i) for i in ids) == text.encode()
+    if text == "\ua66e":
+        assert len(ids) == 2 and tokenizer.decode([ids[0]]) == "\ufffd"  # the case the bytes exist for
+
+
+def test_byte_fallback_tokens_and_other_tokens() -> None:
+    """SentencePiece's <0xNN> byte tokens are that byte; a tokenizer of neither kind gives its text's UTF-8."""
+
+    class Pieces(CharTokenizer):
+        def convert_ids_to_tokens(self, token_id: int) -> str:
+            return "<0xE2>" if token_id == 9 else self.PIECES[token_id]
+
+    raw = token_bytes(Pieces())
+    assert raw(9) == b"\xe2" and raw(0) == b"a" and raw(4) == b"EN"

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from dsde_core.config import EngineConfig, SamplingParams
+from dsde_core.detokenize import token_bytes
 from dsde_core.llm import SpeculativeLLM
 from dsde_core.models.loader import load_model
 from services.metrics import METRICS, exported_name
@@ -181,8 +182,9 @@ def test_log_probabilities_through_the_openai_client(tiny_app: App, reference_ll
     content = res.choices[0].logprobs.content
     assert [e.token for e in content] == [decode([t]) for t in ref.token_ids]
     assert [e.logprob for e in content] == pytest.approx([x.logprob for x in ref.logprobs], abs=1e-4)
+    raw = token_bytes(reference_llm.tokenizer)  # each token's own bytes (its text may read U+FFFD)
     assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-6)
-               and e.bytes == list(e.token.encode()) for e in content)
+               and e.bytes == list(raw(t)) for e, t in zip(content, ref.token_ids, strict=True))
     plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=4,
                                            temperature=0)
     assert plain.choices[0].logprobs is None
@@ -266,6 +268,16 @@ def test_n_choices_through_the_openai_client(tiny_app: App, reference_llm: Specu
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}],
                                           max_tokens=10, temperature=0, n=2)
     assert [c.message.content for c in chat.choices] == [_reference(reference_llm, "Say hi.", 10, chat=True)] * 2
+
+    # several prompts (what batch clients send): n choices each, choice k is prompt k // n's, usage sums the prompts
+    batch = client.completions.create(model=MODEL, prompt=PROMPTS[4:7], max_tokens=8, temperature=0, n=2, echo=True)
+    refs = [_reference(reference_llm, p, 8) for p in PROMPTS[4:7]]
+    assert [(c.index, c.text) for c in batch.choices] == [(k, PROMPTS[4 + k // 2] + refs[k // 2]) for k in range(6)]
+    assert batch.usage.prompt_tokens == sum(len(reference_llm.encode(p)) for p in PROMPTS[4:7])
+    ids = [reference_llm.encode(p) for p in PROMPTS[4:6]]
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0, stream=True))
+    assert ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == k)
+            for k in range(2)] == refs[:2]
 
 
 def test_raw_sse_framing(tiny_app: App) -> None:

@@ -160,13 +160,16 @@ def test_packed_proposals_carry_exactly_the_same_values() -> None:
 def test_request_models_bound_their_fields() -> None:
     ok = CompletionRequest(model="m", prompt="hi", temperature=0, stop="x", top_k=-1)
     assert ok.sampling(5) == SamplingParams(max_tokens=5, temperature=0.0, stop=("x",))
-    assert CompletionRequest(model="m", prompt=["only one"]).prompt == "only one"
-    assert CompletionRequest(model="m", prompt=[[1, 2, 3]]).prompt == [1, 2, 3]
+    assert CompletionRequest(model="m", prompt=["only one"]).prompts() == ["only one"]
+    assert CompletionRequest(model="m", prompt=["a", "b"]).prompts() == ["a", "b"]
+    assert CompletionRequest(model="m", prompt=[1, 2]).prompts() == [[1, 2]]
+    assert CompletionRequest(model="m", prompt=[[1], [2, 3]]).prompts() == [[1], [2, 3]]
+    assert CompletionRequest(model="m", prompt=[[1, 2, 3]]).prompts() == [[1, 2, 3]]
     chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [{"type": "text", "text": "a"}]}],
                                  max_completion_tokens=7)
     assert chat.max_tokens == 7 and chat.chat() == [{"role": "user", "content": "a"}]
     for bad in [dict(n=0), dict(n=17), dict(temperature=2.5), dict(top_p=0), dict(max_tokens=0),
-                dict(prompt=["a", "b"]),
+                dict(prompt=["a"] * 65), dict(prompt=["a", [1]]),
                 dict(logprobs=21), dict(logprobs=-1), dict(presence_penalty=2.5), dict(frequency_penalty=-2.1),
                 dict(repetition_penalty=0), dict(repetition_penalty=10.5), dict(speculation={"max_sl": 65}),
                 dict(speculation={"policy": "x"}), dict(stop=[""]), dict(seed=-1), dict(suffix="x"),
@@ -231,6 +234,10 @@ def test_log_probabilities_in_openais_two_shapes() -> None:
     assert content[0]["top_logprobs"] == [{"token": "ab", "logprob": -0.1, "bytes": [97, 98]},
                                           {"token": "é", "logprob": -2.0, "bytes": [0xC3, 0xA9]}]
     assert chat.usage()["completion_tokens"] == 3 and chat.chunk("", role=True)["choices"][0]["logprobs"] is None
+    own = Reply("m", chat=True, prompt_tokens=1, decode=decode, raw={1: b"ab", 2: b"\xc3", 3: b"\xa9"}.__getitem__)
+    own.record(outs[1])
+    [entry] = own.body([("é", "length", None)])["choices"][0]["logprobs"]["content"]
+    assert entry["bytes"] == [0xA9] and [e["bytes"] for e in entry["top_logprobs"]] == [[0xA9], [0xC3]]
     plain = Reply("m", chat=False, prompt_tokens=1)
     plain.record(outs[0])
     assert plain.body([("abc", "length", None)])["choices"][0]["logprobs"] is None
@@ -241,16 +248,28 @@ def test_an_echo_starts_the_text_and_the_log_probabilities_with_the_prompts() ->
     decode = {7: "Hi", 8: " there", 1: "ab"}.__getitem__
     first = RequestOutput("r", [1], "ab", True, "length", logprobs=[TokenLogprob(-0.1, ((1, -0.1),))],
                           prompt_logprobs=[TokenLogprob(-2.5, ((1, -1.0),))])
-    reply = Reply("m", chat=False, prompt_tokens=2, decode=decode, echo="Hi there", prompt_ids=[7, 8])
+    reply = Reply("m", chat=False, prompt_tokens=2, decode=decode, echoes=["Hi there"], prompt_ids=[[7, 8]])
     reply.record(first)
     choice = reply.body([("ab", "length", None)])["choices"][0]
     assert choice["text"] == "Hi thereab" and reply.usage()["completion_tokens"] == 1
     assert choice["logprobs"] == {"tokens": ["Hi", " there", "ab"], "token_logprobs": [None, -2.5, -0.1],
                                   "top_logprobs": [None, {"ab": -1.0}, {"ab": -0.1}], "text_offset": [0, 2, 8]}
-    bare = Reply("m", chat=False, prompt_tokens=2, echo="Hi there")
+    bare = Reply("m", chat=False, prompt_tokens=2, echoes=["Hi there"])
     bare.record(RequestOutput("r", [1], "ab", True, "length"))
     assert bare.body([("ab", "length", None)])["choices"][0] == {"index": 0, "text": "Hi thereab", "logprobs": None,
                                                                  "finish_reason": "length"}
+
+
+def test_several_prompts_each_with_n_choices_indexed_prompt_major() -> None:
+    """OpenAI's order: choice k is prompt k // n's; each echoes its own prompt; usage counts all prompts once."""
+    reply = Reply("m", chat=False, prompt_tokens=5, n=2, prompts=2, echoes=["A", "BB"])
+    assert [c.echo for c in reply.choices] == ["A", "A", "BB", "BB"]
+    assert len({reply.request_id(k) for k in range(4)}) == 4
+    for k in range(4):
+        reply.record(RequestOutput("x", [k], "t"), k)
+    body = reply.body([(str(k), "length", None) for k in range(4)])
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "A0"), (1, "A1"), (2, "BB2"), (3, "BB3")]
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
 
 
 def test_n_choices_each_with_its_index_seed_and_tokens_and_the_prompt_counted_once() -> None:
