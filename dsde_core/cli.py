@@ -38,7 +38,7 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--presence-penalty", type=float, default=0.0, help="[-2, 2], OpenAI's")
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="[-2, 2], OpenAI's")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="(0, 10], 1: none (prompt and output)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="[0.01, 10], 1: none (prompt and output)")
     g.add_argument("--dtype", default="bfloat16", help="bfloat16 (fast) or float32 (bit-exact losslessness)")
     g.add_argument("--device", default="cpu")
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")

@@ -16,7 +16,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.f
 
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for at each position (as vLLM and OpenAI's chat)
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
-MAX_REPETITION_PENALTY = 10.0  # repetition penalty in (0, 10]; 1: none
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 10.0  # 1: none; a tinier one overflows the logits it divides
 MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-100, 100] (OpenAI's range)
 MAX_BIASED_TOKENS = 1024  # token ids one request may bias
 MAX_STOP_TOKEN_IDS = 64  # token ids one request may stop on
@@ -81,8 +81,8 @@ class SamplingParams:
             _check(isinstance(v, (int, float)) and -MAX_PENALTY <= v <= MAX_PENALTY,
                    f"{name} must be in [{-MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v!r}")
         r = self.repetition_penalty
-        _check(isinstance(r, (int, float)) and 0 < r <= MAX_REPETITION_PENALTY,
-               f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {r!r}")
+        _check(isinstance(r, (int, float)) and MIN_REPETITION_PENALTY <= r <= MAX_REPETITION_PENALTY,
+               f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], got {r!r}")
         _check(isinstance(self.logit_bias, (dict, tuple, list)),
                f"logit_bias must be a mapping, got {self.logit_bias!r}")
         pairs = list(self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias)

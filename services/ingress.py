@@ -426,9 +426,16 @@ class DSDEServer:
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
-        card = {"id": self.model, "object": "model", "created": 0, "owned_by": "dsde",
+        return {"object": "list", "data": [self._card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model_card(self, model: str) -> dict[str, Any]:
+        self._check_model(model)
+        return self._card()
+
+    def _card(self) -> dict[str, Any]:
+        return {"id": self.model, "object": "model", "created": 0, "owned_by": "dsde",
                 "max_model_len": self.cfg.max_seq_len}
-        return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest) -> Any:
@@ -442,7 +449,7 @@ class DSDEServer:
     async def chat_completions(self, body: ChatCompletionRequest) -> Any:
         self._check_model(body.model)
         try:
-            text = self.tokenizer.apply_chat_template(body.chat(), tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(body.chat(), tokenize=False, **body.template_options())
         except Exception as e:
             raise APIError(400, f"cannot apply the chat template: {e}", "messages") from None
         ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -4,8 +4,8 @@ Unknown fields are ignored, as OpenAI-compatible servers do; OpenAI's fields tha
 that would change the answer (`suffix`, `best_of` above `n`, `tools`, `functions`, a `response_format` other than
 text) are a 400 naming the field, never ignored. Log-probabilities: completions' `logprobs` (0-20
 alternatives; with `echo`, the prompt's too), chat's `logprobs` (true) with `top_logprobs` (0-20). Penalties:
-OpenAI's `presence_penalty` and `frequency_penalty` (-2 to 2), and vLLM's `repetition_penalty` (above 0, at most
-10; 1 is none). `logit_bias` (OpenAI's: token id -> bias in [-100, 100], at most 1024 ids). vLLM's `min_p`,
+OpenAI's `presence_penalty` and `frequency_penalty` (-2 to 2), and vLLM's `repetition_penalty` (0.01 to 10; 1 is
+none). `logit_bias` (OpenAI's: token id -> bias in [-100, 100], at most 1024 ids). vLLM's `min_p`,
 `min_tokens`, `stop_token_ids` and `ignore_eos`.
 """
 
@@ -20,6 +20,7 @@ from dsde_core.config import (
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
     MAX_STOP_TOKEN_IDS,
+    MIN_REPETITION_PENALTY,
     SamplingParams,
     SpeculationParams,
 )
@@ -78,7 +79,7 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY)  # vLLM's extra parameter
+    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)  # vLLM's
     logit_bias: dict[int, float] | None = None  # token id (a string in JSON) -> bias in [-100, 100]
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # vLLM's extra parameters, from here on
     min_tokens: int = Field(default=0, ge=0, le=1 << 20)
@@ -178,6 +179,8 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True  # vLLM's: open the assistant's turn after the messages
+    continue_final_message: bool = False  # vLLM's: the last message is the assistant's, its text continued (prefill)
     tools: list[Any] | None = None  # refused unless empty (_unsupported)
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None  # refused unless {"type": "text"}
@@ -195,6 +198,17 @@ class ChatCompletionRequest(_Common):
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise ValueError(f"response_format {self.response_format.get('type')!r} is not supported (only text)")
         return self
+
+    @model_validator(mode="after")
+    def _continuation(self) -> ChatCompletionRequest:
+        if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
+            raise ValueError("continue_final_message needs add_generation_prompt false and an assistant's last message")
+        return self
+
+    def template_options(self) -> dict[str, bool]:
+        """The chat template's switches: a new assistant turn (the default), or the last one continued."""
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:

@@ -131,7 +131,8 @@ def test_target_probs_top_k_and_top_p() -> None:
 @pytest.mark.parametrize("kwargs", [
     {"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -1}, {"stop": ("",)},
     {"presence_penalty": 2.01}, {"frequency_penalty": -2.5}, {"frequency_penalty": float("nan")},
-    {"repetition_penalty": 0.0}, {"repetition_penalty": 10.5}, {"presence_penalty": "1"},
+    {"repetition_penalty": 0.0}, {"repetition_penalty": 5e-324}, {"repetition_penalty": 10.5},
+    {"presence_penalty": "1"},
 ])
 def test_sampling_params_reject_bad_values(kwargs: dict) -> None:
     with pytest.raises(ConfigError):

@@ -280,6 +280,21 @@ def test_n_choices_through_the_openai_client(tiny_app: App, reference_llm: Specu
             for k in range(2)] == refs[:2]
 
 
+def test_chat_continues_the_assistants_last_message(tiny_app: App, reference_llm: SpeculativeLLM) -> None:
+    """vLLM's continue_final_message (assistant prefill): the template leaves the last turn open, the model goes on
+    from its text."""
+    messages = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hello, my name"}]
+    text = reference_llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                                       continue_final_message=True)
+    assert text.endswith("Hello, my name")
+    ids = list(reference_llm.tokenizer(text, add_special_tokens=False)["input_ids"])
+    [ref] = reference_llm.generate([ids], SamplingParams(max_tokens=10), policy="off")
+    res = tiny_app.client().chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert res.choices[0].message.content == ref.text and res.usage.prompt_tokens == len(ids)
+
+
 def test_raw_sse_framing(tiny_app: App) -> None:
     import httpx
 
@@ -297,6 +312,10 @@ def test_models_and_health(tiny_app: App) -> None:
     status, body = http_get(f"{tiny_app.v1}/models")
     assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == [MODEL]
     assert [m.id for m in tiny_app.client().models.list()] == [MODEL]
+    card = tiny_app.client().models.retrieve(MODEL)  # GET /v1/models/{model}
+    assert card.id == MODEL and card.model_extra["max_model_len"] == TINY_SEQ_LEN
+    status, body = http_get(f"{tiny_app.v1}/models/gpt-4")
+    assert status == 404 and "gpt-4" in json.loads(body)["error"]["message"]
     status, body = http_get(f"{tiny_app.base}/health")
     assert status == 200 and json.loads(body)["status"] == "ok"
 
@@ -394,7 +413,7 @@ BAD_REQUESTS = [
     ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"bogus": 1}}, 400, "bogus"),
     ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
-    ("completions", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("completions", {"model": MODEL, "prompt": "hi", "repetition_penalty": 5e-324}, 400, "repetition_penalty"),
     ("completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"999999999": 1}}, 400, "logit_bias token ids"),
     ("completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
@@ -407,6 +426,8 @@ BAD_REQUESTS = [
                           "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                           "response_format": {"type": "json_object"}}, 400, "json_object"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                          "continue_final_message": True, "add_generation_prompt": False}, 400, "assistant"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
      "top_logprobs needs logprobs"),
     ("completions", {"model": MODEL, "prompt": "hi", "stream": True, "max_tokens": 10**6}, 400, "context window"),

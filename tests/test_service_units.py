@@ -171,7 +171,7 @@ def test_request_models_bound_their_fields() -> None:
     for bad in [dict(n=0), dict(n=17), dict(temperature=2.5), dict(top_p=0), dict(max_tokens=0),
                 dict(prompt=["a"] * 65), dict(prompt=["a", [1]]),
                 dict(logprobs=21), dict(logprobs=-1), dict(presence_penalty=2.5), dict(frequency_penalty=-2.1),
-                dict(repetition_penalty=0), dict(repetition_penalty=10.5), dict(speculation={"max_sl": 65}),
+                dict(repetition_penalty=0.009), dict(repetition_penalty=10.5), dict(speculation={"max_sl": 65}),
                 dict(speculation={"policy": "x"}), dict(stop=[""]), dict(seed=-1), dict(suffix="x"),
                 dict(best_of=2)]:
         with pytest.raises(ValidationError):
@@ -189,10 +189,13 @@ def test_request_models_bound_their_fields() -> None:
     assert ChatCompletionRequest(model="m", messages=user, logprobs=True).sampling(5).logprobs == 0
     assert ChatCompletionRequest(model="m", messages=user, top_logprobs=0).sampling(5).logprobs is None
     for bad in [dict(top_logprobs=2), dict(logprobs=True, top_logprobs=21), dict(logprobs=3), dict(tools=[{}]),
-                dict(functions=[{}]), dict(response_format={"type": "json_schema"})]:
+                dict(functions=[{}]), dict(response_format={"type": "json_schema"}), dict(continue_final_message=True)]:
         with pytest.raises(ValidationError):
             ChatCompletionRequest(model="m", messages=user, **bad)
     assert ChatCompletionRequest(model="m", messages=user, tools=[], response_format={"type": "text"}).tools == []
+    prefill = ChatCompletionRequest(model="m", messages=[*user, {"role": "assistant", "content": "So"}],
+                                    continue_final_message=True, add_generation_prompt=False)
+    assert prefill.template_options() == {"add_generation_prompt": False, "continue_final_message": True}
     assert CompletionRequest(model="m", prompt="hi", n=2, best_of=2, suffix="").best_of == 2  # neutral: accepted
     with pytest.raises(ValidationError):
         ChatCompletionRequest(model="m", messages=[])
