@@ -137,17 +137,23 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability)
 
 
+LOGPROB_ROWS = 256  # rows log-softmaxed at once: a prompt's [P, V] log-probabilities never exist whole
+
+
 def token_logprobs(logits: torch.Tensor, tokens: list[int], n: int) -> list[TokenLogprob]:
     """logits [m, V] at the positions that produced `tokens` (m >= len(tokens)) -> each token's log p and the top n."""
-    if not tokens:
-        return []
-    lp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)  # [t, V]
-    chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()  # [t]
-    if n == 0:
-        return [TokenLogprob(c) for c in chosen]
-    top = lp.topk(n, dim=-1)  # [t, n]
-    return [TokenLogprob(c, tuple(zip(ids, vals, strict=True)))
-            for c, ids, vals in zip(chosen, top.indices.tolist(), top.values.tolist(), strict=True)]
+    out: list[TokenLogprob] = []
+    for start in range(0, len(tokens), LOGPROB_ROWS):
+        part = tokens[start : start + LOGPROB_ROWS]
+        lp = torch.log_softmax(logits[start : start + len(part)].float(), dim=-1)  # [t, V]
+        chosen = lp.gather(-1, torch.tensor(part, device=lp.device)[:, None])[:, 0].tolist()  # [t]
+        if n == 0:
+            out += [TokenLogprob(c) for c in chosen]
+            continue
+        top = lp.topk(n, dim=-1)  # [t, n]
+        out += [TokenLogprob(c, tuple(zip(ids, vals, strict=True)))
+                for c, ids, vals in zip(chosen, top.indices.tolist(), top.values.tolist(), strict=True)]
+    return out
 
 
 @dataclass

@@ -111,3 +111,16 @@ def test_a_one_token_prompt_has_no_prompt_log_probabilities() -> None:
     r = engine.add_request([5], SamplingParams(max_tokens=4, prompt_logprobs=2))
     engine.run()
     assert r.prompt_logprobs == [] and len(r.output_ids) == 4
+
+
+def test_log_probabilities_are_the_same_computed_in_row_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long prompt's log-probabilities are log-softmaxed LOGPROB_ROWS rows at a time: the same numbers."""
+    from dsde_core import sampling
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(70, 50, generator=gen)  # [m, V]
+    tokens = torch.randint(0, 50, (60,), generator=gen).tolist()
+    whole = sampling.token_logprobs(logits, tokens, 3)
+    monkeypatch.setattr(sampling, "LOGPROB_ROWS", 7)
+    assert sampling.token_logprobs(logits, tokens, 3) == whole and len(whole) == 60
+    assert sampling.token_logprobs(logits, [], 3) == []
