@@ -91,7 +91,6 @@ class _Slot:
     matched: int = 0  # cached[:matched - offset] == committed[offset:matched] is known
     offset: int = 0  # committed tokens before the cache's first (a windowed draft skipped them)
     prompt_len: int = 0  # committed[:prompt_len] is the prompt, the rest the output (penalties count the output)
-
     history: tuple[int, History] | None = None  # (len(committed), History): what penalties count, kept per length
 
     def process(self, logits: torch.Tensor, drafts: list[int], first: int = 0) -> torch.Tensor:

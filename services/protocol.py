@@ -1,7 +1,7 @@
 """The OpenAI-compatible request bodies (pydantic, with bounds) and the error body.
 
 Unknown fields are ignored, as OpenAI-compatible servers do; OpenAI's fields that this server does not implement and
-that would change the answer (`suffix`, `best_of` above `n`, `tools`, `functions`, a `response_format` other than
+that would change the answer (`suffix`, `best_of` other than `n`, `tools`, `functions`, a `response_format` other than
 text) are a 400 naming the field, never ignored. Log-probabilities: completions' `logprobs` (0-20
 alternatives; with `echo`, the prompt's too), chat's `logprobs` (true) with `top_logprobs` (0-20). Penalties:
 OpenAI's `presence_penalty` and `frequency_penalty` (-2 to 2), and vLLM's `repetition_penalty` (0.01 to 10; 1 is
@@ -127,7 +127,7 @@ class CompletionRequest(_Common):
     max_tokens: int | None = Field(default=16, ge=1, le=1 << 20)  # OpenAI's default for completions
     echo: bool = False  # the text starts with the prompt (and the log-probabilities with the prompt's)
     suffix: str | None = None  # refused unless empty (_unsupported)
-    best_of: int | None = None  # refused above n (_unsupported)
+    best_of: int | None = None  # refused unless n (_unsupported)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token (None: none)
 
     def logprob_count(self) -> int | None:
