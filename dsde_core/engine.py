@@ -328,9 +328,16 @@ class Engine:
 
     # ---- admission and release ------------------------------------------------------------------------
     def _admit(self) -> list[RequestOutput]:
+        """Waiting requests in order while slots are free. The prefills that return every prompt position's logits
+        (prompt log-probabilities) share config.prompt_logprob_positions per step; the first always goes."""
         outputs: list[RequestOutput] = []
+        scored = 0  # prompt positions whose logits this step returns
         while self.waiting and self.free_slots and not self.health["target"].down:
             with self._lock:
+                if self.waiting[0].params.prompt_logprobs is not None:
+                    scored += len(self.waiting[0].prompt_ids)
+                    if scored > self.config.prompt_logprob_positions and scored > len(self.waiting[0].prompt_ids):
+                        break  # it waits for the next step
                 r = self.waiting.popleft()
             r.slot = self.free_slots.pop()
             self.running.append(r)  # running before its slot opens: a failed open is redone by _recover

@@ -124,3 +124,23 @@ def test_log_probabilities_are_the_same_computed_in_row_chunks(monkeypatch: pyte
     monkeypatch.setattr(sampling, "LOGPROB_ROWS", 7)
     assert sampling.token_logprobs(logits, tokens, 3) == whole and len(whole) == 60
     assert sampling.token_logprobs(logits, [], 3) == []
+
+
+def test_prompt_log_probability_prefills_share_a_budget_of_positions_per_step() -> None:
+    """Their logits hold every prompt position, so one step admits them up to prompt_logprob_positions (the first
+    whatever its length); the others wait a step. Requests without them are admitted as before."""
+    prompts = random_prompts(3, seed=9, min_len=20, max_len=30)
+    engine = tiny_engine("static:4", batch=8, prompt_logprob_positions=50)
+    asks = [engine.add_request(p, SamplingParams(max_tokens=4, prompt_logprobs=1)) for p in prompts]
+    plain = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=4))
+    engine.step()
+    assert [r in engine.waiting for r in asks] == [False, True, True]  # 20-30 positions each: two exceed 50
+    assert plain in engine.waiting  # queued behind them: admission keeps the order
+    engine.run()
+    alone = tiny_engine("static:4", batch=8)
+    refs = [alone.add_request(p, SamplingParams(max_tokens=4, prompt_logprobs=1)) for p in prompts]
+    alone.run()
+    for r, ref in zip(asks, refs, strict=True):  # batched differently, so equal up to float rounding
+        assert [lp.logprob for lp in r.prompt_logprobs] == pytest.approx([lp.logprob for lp in ref.prompt_logprobs],
+                                                                         abs=1e-4)
+        assert r.output_ids == ref.output_ids
