@@ -461,16 +461,18 @@ class DSDEServer:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model!r}", "model",
                            "not_found_error")
 
-    def _params(self, body: CompletionRequest | ChatCompletionRequest, ids: list[int]) -> SamplingParams:
+    def _params(self, body: CompletionRequest | ChatCompletionRequest, ids: list[int], which: str = ""
+                ) -> SamplingParams:
+        """The sampling of one prompt's choices; a 400 otherwise, its message led by `which` ("prompt 2: ")."""
         room = self.cfg.max_seq_len - len(ids)
         if body.max_tokens is None and room < 1:
-            raise APIError(400, f"the prompt ({len(ids)} tokens) leaves no room in the context window of "
+            raise APIError(400, f"{which}the prompt ({len(ids)} tokens) leaves no room in the context window of "
                                 f"{self.cfg.max_seq_len} tokens", "messages")
         try:
             params = body.sampling(body.max_tokens or room)
             self.engine.validate(ids, params)  # empty prompt, token ids, prompt + max_tokens > context window
         except ConfigError as e:
-            raise APIError(400, str(e), "max_tokens" if "context window" in str(e) else None) from None
+            raise APIError(400, which + str(e), "max_tokens" if "context window" in str(e) else None) from None
         return params
 
     def _admit(self, n: int = 1) -> None:
@@ -492,7 +494,7 @@ class DSDEServer:
     async def _generate(self, body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], chat: bool,
                         echoes: list[str] | None = None) -> Any:
         """n choices per prompt, each its own engine request: choice k is prompt k // n's, with seed + k % n."""
-        params = [self._params(body, ids) for ids in prompts]
+        params = [self._params(body, ids, f"prompt {i}: " if len(prompts) > 1 else "") for i, ids in enumerate(prompts)]
         n = body.n
         self._admit(len(prompts) * n)
         asks = params[0].prompt_logprobs is not None

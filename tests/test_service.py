@@ -418,6 +418,7 @@ BAD_REQUESTS = [
     ("completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"999999999": 1}}, 400, "logit_bias token ids"),
     ("completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ("completions", {"model": MODEL, "prompt": "hi", "suffix": "end"}, 400, "suffix"),
+    ("completions", {"model": MODEL, "prompt": ["hi", ""]}, 400, "prompt 1: the prompt is empty"),
     ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
     ("completions", {"model": MODEL, "prompt": "hi", "stop_token_ids": [10**7]}, 400, "stop_token_ids"),
     ("completions", {"model": MODEL, "prompt": "hi", "min_p": 2}, 400, "min_p"),
