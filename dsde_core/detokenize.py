@@ -41,9 +41,11 @@ def token_bytes(tokenizer: Any) -> Callable[[int], bytes]:
 class TextStream:
     """Turns a growing list of token ids into text deltas; finds stop strings, even across token borders."""
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), min_ids: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
+        self.min_ids = min_ids  # a stop string counts only where an id from the min_ids-th on completes it (min_tokens)
+        self._floor: int | None = 0 if min_ids <= 1 else None  # no counted stop string ends within text[:floor]
         self.ids: list[int] = []
         self.text = ""  # the text sent so far
         self.stopped = False
@@ -77,9 +79,13 @@ class TextStream:
         return self.tokenizer.decode(self.ids[:n], skip_special_tokens=True)
 
     def _stop_at(self, text: str) -> int | None:
-        """Where the first stop string begins in `text` past what was sent (None: nowhere)."""
+        """Where the first stop string begins in `text` past what was sent and ends past the floor (None: nowhere)."""
+        if self._floor is None and len(self.ids) >= self.min_ids - 1:
+            self._floor = len(self._decode(self.min_ids - 1))  # the text of the ids that may not complete one
+        if self._floor is None:
+            return None
         start = max(0, len(self.text) - max(map(len, self.stop)))
-        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        hits = [i for i in (text.find(s, max(start, self._floor - len(s) + 1)) for s in self.stop) if i >= 0]
         return min(hits) if hits else None
 
     def flush(self) -> str:

@@ -107,7 +107,7 @@ class Engine:
             if req_id in self.requests:
                 raise ConfigError(f"request id {req_id!r} is already in use")
             req = Request(req_id, prompt, params, spec or SpeculationParams(),
-                          TextStream(self.tokenizer, params.stop), on_output)
+                          TextStream(self.tokenizer, params.stop, params.min_tokens), on_output)
             self.requests[req_id] = req
             self.waiting.append(req)
         return req

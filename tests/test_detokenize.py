@@ -94,3 +94,16 @@ def test_byte_fallback_tokens_and_other_tokens() -> None:
 
     raw = token_bytes(Pieces())
     assert raw(9) == b"\xe2" and raw(0) == b"a" and raw(4) == b"EN"
+
+
+def test_under_min_ids_a_stop_string_does_not_count() -> None:
+    """min_tokens: a stop string counts only where the min_ids-th id or a later one completes it, as vLLM checks."""
+    s = TextStream(CharTokenizer(), ("c",), min_ids=4)
+    assert s.add([0, 1, 2]) == "abc" and not s.stopped  # the 3rd id completed it: too early
+    assert s.add([3, 2, 6]) == " " and s.stopped and s.kept == 2  # the 5th completes the next one
+    early = TextStream(CharTokenizer(), ("c",), min_ids=3)
+    assert early.add([0, 1, 2]) == "ab" and early.stopped
+    across = TextStream(CharTokenizer(), ("END",), min_ids=2)  # begun by the 1st id, completed by the 2nd: counts
+    assert across.add([4, 5]) == "" and across.stopped
+    late = TextStream(CharTokenizer(), ("END",), min_ids=3)
+    assert late.add([4, 5]) + late.flush() == "END" and not late.stopped

@@ -136,3 +136,14 @@ def test_stop_token_checks() -> None:
             SamplingParams(**bad)
     with pytest.raises(ConfigError, match="stop_token_ids must be in"):
         tiny_engine("off").add_request(PROMPTS[0], SamplingParams(stop_token_ids=[VOCAB]))
+
+
+@pytest.mark.parametrize("policy", ["off", "static:4"])
+def test_min_tokens_holds_a_stop_string_off(policy: str) -> None:
+    """A stop string completed by a token under min_tokens does not end the request (vLLM's rule)."""
+    plain = _generate("off", SamplingParams(max_tokens=MAX_TOKENS))[0].output_ids
+    stop = (f"<{plain[2]}>",)  # the test tokenizer decodes token i to "<i>"
+    assert _generate(policy, SamplingParams(max_tokens=MAX_TOKENS, stop=stop))[0].output_ids == plain[:3]
+    held = _generate(policy, SamplingParams(max_tokens=MAX_TOKENS, stop=stop, min_tokens=6))[0]
+    later = [j for j in range(5, MAX_TOKENS) if plain[j] == plain[2]]  # where a completion would count
+    assert held.output_ids == plain[: later[0] + 1] if later else held.output_ids == plain
