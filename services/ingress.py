@@ -53,7 +53,13 @@ from services.metrics import ObservedPolicy, ServiceMetrics
 from services.metrics import current as current_metrics
 from services.metrics import set_current as set_current_metrics
 from services.placement import Actors, start_actors
-from services.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from services.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+)
 from services.proxies import ControllerProxy, DraftProxy, TargetProxy
 from services.responses import DONE, Reply, sse
 
@@ -437,6 +443,26 @@ class DSDEServer:
         return {"id": self.model, "object": "model", "created": 0, "owned_by": "dsde",
                 "max_model_len": self.cfg.max_seq_len}
 
+    @app.post("/tokenize")
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's: the served tokenizer's ids for a prompt, or for chat messages through the chat template."""
+        self._check_model(body.model)
+        if body.messages is not None:
+            messages = [m.as_dict() for m in body.messages]
+            text = self._template(messages, add_generation_prompt=body.add_generation_prompt)
+            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        else:
+            ids = list(self.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+        return {"count": len(ids), "max_model_len": self.cfg.max_seq_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
+        self._check_model(body.model)
+        vocab = self.engine.vocab_size
+        if vocab is not None and not all(0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest) -> Any:
         self._check_model(body.model)
@@ -448,12 +474,15 @@ class DSDEServer:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest) -> Any:
         self._check_model(body.model)
-        try:
-            text = self.tokenizer.apply_chat_template(body.chat(), tokenize=False, **body.template_options())
-        except Exception as e:
-            raise APIError(400, f"cannot apply the chat template: {e}", "messages") from None
+        text = self._template(body.chat(), **body.template_options())
         ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         return await self._generate(body, [ids], chat=True)
+
+    def _template(self, messages: list[dict[str, str]], **options: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, **options)
+        except Exception as e:
+            raise APIError(400, f"cannot apply the chat template: {e}", "messages") from None
 
     # ---- the work -----------------------------------------------------------------------------------
     def _check_model(self, model: str) -> None:

@@ -173,6 +173,10 @@ class ChatMessage(BaseModel):
             return "".join(p.text for p in self.content)
         return self.content or ""
 
+    def as_dict(self) -> dict[str, str]:
+        """The message as chat templates take it (a developer message is a system one)."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -220,4 +224,31 @@ class ChatCompletionRequest(_Common):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat(self) -> list[dict[str, str]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        return [m.as_dict() for m in self.messages]
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt's token ids, or chat messages' through the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # for a prompt (chat text has the template's own)
+    add_generation_prompt: bool = True  # for messages
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize: token ids' text."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    tokens: list[int] = Field(max_length=1 << 20)

@@ -280,6 +280,27 @@ def test_n_choices_through_the_openai_client(tiny_app: App, reference_llm: Specu
             for k in range(2)] == refs[:2]
 
 
+def test_tokenize_and_detokenize(tiny_app: App, reference_llm: SpeculativeLLM) -> None:
+    """vLLM's /tokenize and /detokenize: the served tokenizer's ids (a prompt's; chat messages' through the template,
+    the ids a chat request prefills) and back."""
+    import httpx
+
+    ids = reference_llm.encode(PROMPTS[0])
+    r = httpx.post(f"{tiny_app.base}/tokenize", json={"model": MODEL, "prompt": PROMPTS[0]}, timeout=REQUEST_TIMEOUT)
+    assert r.status_code == 200 and r.json() == {"count": len(ids), "max_model_len": TINY_SEQ_LEN, "tokens": ids}
+    messages = [{"role": "user", "content": "Say hi."}]
+    r = httpx.post(f"{tiny_app.base}/tokenize", json={"model": MODEL, "messages": messages}, timeout=REQUEST_TIMEOUT)
+    chat = tiny_app.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
+    assert r.json()["tokens"] == reference_llm.encode("Say hi.", True) and r.json()["count"] == chat.usage.prompt_tokens
+    r = httpx.post(f"{tiny_app.base}/detokenize", json={"model": MODEL, "tokens": ids}, timeout=REQUEST_TIMEOUT)
+    assert r.status_code == 200 and r.json() == {"prompt": PROMPTS[0]}
+    for route, body, word in [("detokenize", {"model": MODEL, "tokens": [10**7]}, "token ids"),
+                              ("tokenize", {"model": MODEL}, "prompt or messages"),
+                              ("tokenize", {"model": "gpt-4", "prompt": "x"}, "gpt-4")]:
+        code, err = http_post(f"{tiny_app.base}/{route}", body)
+        assert code in (400, 404) and word in str(err), err
+
+
 def test_chat_continues_the_assistants_last_message(tiny_app: App, reference_llm: SpeculativeLLM) -> None:
     """vLLM's continue_final_message (assistant prefill): the template leaves the last turn open, the model goes on
     from its text."""
