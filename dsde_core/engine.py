@@ -116,18 +116,20 @@ class Engine:
         """ConfigError unless add_request would accept this prompt (a server checks before it starts a stream)."""
         if not prompt:
             raise ConfigError("the prompt is empty: give at least one token")
-        if self.vocab_size is not None and not all(0 <= t < self.vocab_size for t in prompt):
-            raise ConfigError(f"prompt token ids must be in [0, {self.vocab_size})")
-        if self.vocab_size is not None and any(t >= self.vocab_size for t, _ in params.logit_bias):
-            raise ConfigError(f"logit_bias token ids must be in [0, {self.vocab_size})")
-        if self.vocab_size is not None and any(t >= self.vocab_size for t in params.stop_token_ids):
-            raise ConfigError(f"stop_token_ids must be in [0, {self.vocab_size})")
+        self.check_ids(prompt, "prompt token ids")
+        self.check_ids([t for t, _ in params.logit_bias], "logit_bias token ids")
+        self.check_ids(params.stop_token_ids, "stop_token_ids")
         need = len(prompt) + params.max_tokens
         if need > self.config.max_seq_len:
             raise ConfigError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {need} exceeds the "
                 f"context window of {self.config.max_seq_len} tokens"
             )
+
+    def check_ids(self, ids: Sequence[int], what: str) -> None:
+        """ConfigError naming `what` unless every id is inside the vocabulary (when the engine knows its size)."""
+        if self.vocab_size is not None and not all(0 <= t < self.vocab_size for t in ids):
+            raise ConfigError(f"{what} must be in [0, {self.vocab_size})")
 
     def cancel(self, req_id: str) -> None:
         """Thread-safe; the request ends (and frees its slot and state) at the start of the next step."""
@@ -334,9 +336,10 @@ class Engine:
         scored = 0  # prompt positions whose logits this step returns
         while self.waiting and self.free_slots and not self.health["target"].down:
             with self._lock:
-                if self.waiting[0].params.prompt_logprobs is not None:
-                    scored += len(self.waiting[0].prompt_ids)
-                    if scored > self.config.prompt_logprob_positions and scored > len(self.waiting[0].prompt_ids):
+                head = self.waiting[0]
+                if head.params.prompt_logprobs is not None:
+                    scored += len(head.prompt_ids)
+                    if scored > self.config.prompt_logprob_positions and scored > len(head.prompt_ids):
                         break  # it waits for the next step
                 r = self.waiting.popleft()
             r.slot = self.free_slots.pop()

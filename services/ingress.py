@@ -448,9 +448,7 @@ class DSDEServer:
         """vLLM's: the served tokenizer's ids for a prompt, or for chat messages through the chat template."""
         self._check_model(body.model)
         if body.messages is not None:
-            messages = [m.as_dict() for m in body.messages]
-            text = self._template(messages, add_generation_prompt=body.add_generation_prompt)
-            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            ids = self._chat_ids([m.as_dict() for m in body.messages], add_generation_prompt=body.add_generation_prompt)
         else:
             ids = list(self.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
         return {"count": len(ids), "max_model_len": self.cfg.max_seq_len, "tokens": ids}
@@ -458,9 +456,10 @@ class DSDEServer:
     @app.post("/detokenize")
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
         self._check_model(body.model)
-        vocab = self.engine.vocab_size
-        if vocab is not None and not all(0 <= t < vocab for t in body.tokens):
-            raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
+        try:
+            self.engine.check_ids(body.tokens, "token ids")
+        except ConfigError as e:
+            raise APIError(400, str(e), "tokens") from None
         return {"prompt": self.tokenizer.decode(body.tokens)}
 
     @app.post("/v1/completions")
@@ -474,15 +473,15 @@ class DSDEServer:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest) -> Any:
         self._check_model(body.model)
-        text = self._template(body.chat(), **body.template_options())
-        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        return await self._generate(body, [ids], chat=True)
+        return await self._generate(body, [self._chat_ids(body.chat(), **body.template_options())], chat=True)
 
-    def _template(self, messages: list[dict[str, str]], **options: bool) -> str:
+    def _chat_ids(self, messages: list[dict[str, str]], **options: bool) -> list[int]:
+        """The messages' token ids through the chat template (which holds its own special tokens); 400 if it fails."""
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, **options)
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, **options)
         except Exception as e:
             raise APIError(400, f"cannot apply the chat template: {e}", "messages") from None
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     # ---- the work -----------------------------------------------------------------------------------
     def _check_model(self, model: str) -> None:

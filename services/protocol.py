@@ -144,12 +144,11 @@ class CompletionRequest(_Common):
             raise ValueError(f"best_of is not supported (ask for n={self.n} choices instead), got {self.best_of}")
         return self
 
-    @field_validator("prompt")
-    @classmethod
-    def _some_prompts(cls, v: Any) -> Any:
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)) and len(v) > MAX_PROMPTS:
-            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(v)}")
-        return v
+    @model_validator(mode="after")
+    def _some_prompts(self) -> CompletionRequest:
+        if len(self.prompts()) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(self.prompts())}")
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts: a string or token ids is one; a list of strings or of token-id lists is several."""
