@@ -137,9 +137,6 @@ class EngineConfig:
     draft_window: int | None = None
     draft_logit_noise: float = 0.0  # experiments only: Gaussian noise (std, in logits) makes a deliberately weak draft
     extra_eos_ids: tuple[int, ...] = field(default=())
-    # prompt positions whose logits one step's prefills may return for prompt log-probabilities (an echo's): at the
-    # vocabulary's width each costs V * 4 bytes (0.6 MB for Qwen's); a request over it alone is still admitted
-    prompt_logprob_positions: int = 4096
     worker_wait_s: float = 60.0  # how long requests wait for a failed target to come back before they end in an error
     worker_probe_s: float = 0.2  # how often a failed worker (target, draft, policy host) is asked whether it is back
 
@@ -157,8 +154,6 @@ class EngineConfig:
         _check(self.draft_window is None or (type(self.draft_window) is int and self.draft_window >= 1),
                f"draft_window must be None (off) or an integer >= 1, got {self.draft_window!r}")
         _check(self.draft_logit_noise >= 0, f"draft_logit_noise must be >= 0, got {self.draft_logit_noise}")
-        _check(self.prompt_logprob_positions >= 1,
-               f"prompt_logprob_positions must be >= 1, got {self.prompt_logprob_positions}")
         _check(self.num_threads is None or self.num_threads >= 1, f"num_threads must be >= 1, got {self.num_threads}")
         _check(0 < self.worker_wait_s <= 86400, f"worker_wait_s must be in (0, 86400], got {self.worker_wait_s}")
         _check(0 < self.worker_probe_s <= 60, f"worker_probe_s must be in (0, 60], got {self.worker_probe_s}")

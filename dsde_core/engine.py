@@ -330,17 +330,10 @@ class Engine:
 
     # ---- admission and release ------------------------------------------------------------------------
     def _admit(self) -> list[RequestOutput]:
-        """Waiting requests in order while slots are free. The prefills that return every prompt position's logits
-        (prompt log-probabilities) share config.prompt_logprob_positions per step; the first always goes."""
+        """Waiting requests in order while slots are free."""
         outputs: list[RequestOutput] = []
-        scored = 0  # prompt positions whose logits this step returns
         while self.waiting and self.free_slots and not self.health["target"].down:
             with self._lock:
-                head = self.waiting[0]
-                if head.params.prompt_logprobs is not None:
-                    scored += len(head.prompt_ids)
-                    if scored > self.config.prompt_logprob_positions and scored > len(head.prompt_ids):
-                        break  # it waits for the next step
                 r = self.waiting.popleft()
             r.slot = self.free_slots.pop()
             self.running.append(r)  # running before its slot opens: a failed open is redone by _recover

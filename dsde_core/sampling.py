@@ -6,7 +6,7 @@ Shapes: V = vocabulary, K = draft top-K (what crosses from draft to target), k =
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -140,12 +140,16 @@ class TokenLogprob:
 LOGPROB_ROWS = 256  # rows log-softmaxed at once: a prompt's [P, V] log-probabilities never exist whole
 
 
-def token_logprobs(logits: torch.Tensor, tokens: list[int], n: int) -> list[TokenLogprob]:
-    """logits [m, V] at the positions that produced `tokens` (m >= len(tokens)) -> each token's log p and the top n."""
+def token_logprobs(rows: torch.Tensor, tokens: list[int], n: int,
+                   head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[TokenLogprob]:
+    """rows [m, V] of logits at the positions that produced `tokens` (m >= len(tokens)) -> each token's log p and the
+    top n. With `head`, rows are hidden states [m, D] and head makes their logits: a long prompt's [m, V] logits are
+    never held whole, only LOGPROB_ROWS rows of them at a time."""
     out: list[TokenLogprob] = []
     for start in range(0, len(tokens), LOGPROB_ROWS):
         part = tokens[start : start + LOGPROB_ROWS]
-        lp = torch.log_softmax(logits[start : start + len(part)].float(), dim=-1)  # [t, V]
+        chunk = rows[start : start + len(part)]  # [t, V] or [t, D]
+        lp = torch.log_softmax((chunk if head is None else head(chunk)).float(), dim=-1)  # [t, V]
         chosen = lp.gather(-1, torch.tensor(part, device=lp.device)[:, None])[:, 0].tolist()  # [t]
         if n == 0:
             out += [TokenLogprob(c) for c in chosen]

@@ -236,18 +236,21 @@ class TargetWorker(_Worker):
             drafts = t.proposal.tokens if t.proposal else []
             feeds.append(self._sync(t.slot, t.new_tokens) + drafts)
         ks = [len(t.proposal.tokens) if t.proposal else 0 for t in tasks]
-        # logits rows per sequence: its k+1 verified positions, or every position fed where the prompt's are asked for
+        # rows per sequence: its k+1 verified positions, or every position fed where the prompt's are asked for
         ns = [len(f) if t.prompt_logprobs is not None else k + 1 for t, f, k in zip(tasks, feeds, ks, strict=True)]
-        logits = self.runner.forward([t.slot for t in tasks], feeds, ns).cpu()  # [sum(ns), V]
+        h = self.runner.forward([t.slot for t in tasks], feeds, ns, hidden=True)  # [sum(ns), D]
+        ends = torch.tensor(ns).cumsum(0).tolist()
+        verified = [e - k - 1 + j for e, k in zip(ends, ks, strict=True) for j in range(k + 1)]  # the last k+1 rows
+        logits = self.runner.head(h if len(verified) == len(h) else h[verified]).cpu()  # [sum(k+1), V]
         verdicts, row = [], 0
-        for t, feed, k, n in zip(tasks, feeds, ks, ns, strict=True):
+        for t, feed, k, end in zip(tasks, feeds, ks, ends, strict=True):
             s = self.slots[t.slot]
             s.cached.extend(feed)
-            rows = logits[row : row + n]  # [n, V]
-            row += n
-            v = self._judge(s, t.slot, rows[n - k - 1 :], t.proposal)  # [k+1, V]
-            if t.prompt_logprobs is not None:  # row i predicts fed token i + 1; the drafts' rows are the verdict's
-                v.prompt_logprobs = token_logprobs(rows, feed[1 : n - k], t.prompt_logprobs)
+            v = self._judge(s, t.slot, logits[row : row + k + 1], t.proposal)  # [k+1, V]
+            row += k + 1
+            if t.prompt_logprobs is not None:  # hidden row i predicts fed token i + 1; a chunk's logits at a time
+                fed = h[end - len(feed) : end - k - 1]  # [len(feed) - k - 1, D]: the rows before the verified ones
+                v.prompt_logprobs = token_logprobs(fed, feed[1 : len(feed) - k], t.prompt_logprobs, self.runner.head)
             verdicts.append(v)
         return verdicts
 

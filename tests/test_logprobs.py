@@ -126,21 +126,24 @@ def test_log_probabilities_are_the_same_computed_in_row_chunks(monkeypatch: pyte
     assert sampling.token_logprobs(logits, [], 3) == []
 
 
-def test_prompt_log_probability_prefills_share_a_budget_of_positions_per_step() -> None:
-    """Their logits hold every prompt position, so one step admits them up to prompt_logprob_positions (the first
-    whatever its length); the others wait a step. Requests without them are admitted as before."""
-    prompts = random_prompts(3, seed=9, min_len=20, max_len=30)
-    engine = tiny_engine("static:4", batch=8, prompt_logprob_positions=50)
-    asks = [engine.add_request(p, SamplingParams(max_tokens=4, prompt_logprobs=1)) for p in prompts]
-    plain = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=4))
-    engine.step()
-    assert [r in engine.waiting for r in asks] == [False, True, True]  # 20-30 positions each: two exceed 50
-    assert plain in engine.waiting  # queued behind them: admission keeps the order
+def test_a_long_prompts_log_probabilities_never_hold_its_whole_logits() -> None:
+    """The target's head makes a scored prompt's logits LOGPROB_ROWS rows at a time (a [P, V] matrix is V * 4 bytes a
+    prompt token: 0.6 MB with Qwen's vocabulary); the numbers are one plain forward's. Speculation still runs."""
+    from dsde_core.sampling import LOGPROB_ROWS
+
+    prompt = random_prompts(1, seed=11, min_len=600, max_len=600)[0]
+    engine = tiny_engine("static:4", batch=2, max_seq_len=1024)
+    heads: list[int] = []
+    engine.target.runner.model.lm_head.register_forward_hook(lambda _m, args, _o: heads.append(args[0].shape[0]))
+    r = engine.add_request(prompt, SamplingParams(max_tokens=8, prompt_logprobs=TOP))
+    plain = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=8))
     engine.run()
-    alone = tiny_engine("static:4", batch=8)
-    refs = [alone.add_request(p, SamplingParams(max_tokens=4, prompt_logprobs=1)) for p in prompts]
-    alone.run()
-    for r, ref in zip(asks, refs, strict=True):  # batched differently, so equal up to float rounding
-        assert [lp.logprob for lp in r.prompt_logprobs] == pytest.approx([lp.logprob for lp in ref.prompt_logprobs],
-                                                                         abs=1e-4)
-        assert r.output_ids == ref.output_ids
+    assert max(heads) <= LOGPROB_ROWS and len(heads) > 3  # three chunks for 599 positions, then the decode steps
+    with torch.no_grad():
+        logits = hf_target()(torch.tensor([prompt], device=DEVICE)).logits[0].float()
+    ref = torch.log_softmax(logits[:-1], dim=-1).cpu()  # [P-1, V]
+    assert len(r.prompt_logprobs) == len(prompt) - 1
+    for j, (token, lp) in enumerate(zip(prompt[1:], r.prompt_logprobs, strict=True)):
+        assert lp.logprob == pytest.approx(ref[j, token].item(), abs=1e-4)
+        assert [v for _, v in lp.top] == pytest.approx(ref[j].topk(TOP).values.tolist(), abs=1e-4)
+    assert len(r.output_ids) == len(plain.output_ids) == 8 and r.stats.drafted > 0

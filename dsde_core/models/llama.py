@@ -366,14 +366,20 @@ class LlamaModel(nn.Module):
         cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
         return cos.to(self.dtype), sin.to(self.dtype)
 
-    def forward(self, b: Batch, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        """Returns float32 logits [N, vocab] at rows b.logits_idx. k_cache, v_cache [L, S, kvh, M, hd]."""
+    def forward(self, b: Batch, k_cache: Tensor, v_cache: Tensor, hidden: bool = False) -> Tensor:
+        """Returns float32 logits [N, vocab] at rows b.logits_idx, or with `hidden` the final-norm hidden states
+        [N, D] there (`head` makes their logits, a few rows at a time). k_cache, v_cache [L, S, kvh, M, hd]."""
         x = self.embed_tokens(b.input_ids)  # [T, D]
         for i, layer in enumerate(self.layers):
             x = layer(x, b, k_cache[i], v_cache[i])
         if b.logits_idx.shape[0] != x.shape[0]:
             x = x.index_select(0, b.logits_idx)  # [N, D]: the lm_head only where asked
-        return self.lm_head(self.norm(x)).float()
+        x = self.norm(x)
+        return x if hidden else self.head(x)
+
+    def head(self, h: Tensor) -> Tensor:
+        """Final-norm hidden states [N, D] -> float32 logits [N, vocab]."""
+        return self.lm_head(h).float()
 
 
 def _fuse_hf_state_dict(

@@ -33,18 +33,24 @@ class ModelRunner:
         self.cache.reset(slot)
 
     @torch.inference_mode()
-    def forward(self, slots: list[int], tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
+    def forward(self, slots: list[int], tokens: list[list[int]], num_logits: list[int],
+                hidden: bool = False) -> torch.Tensor:
         """One batched forward over ragged per-sequence query lengths.
 
         tokens[i] (len >= 1) are appended to slot slots[i] at positions cache.length(slot).. ; lengths advance.
         Returns float32 logits packed [sum(num_logits), vocab]: for each sequence, the logits of its LAST
-        num_logits[i] query positions (1 <= num_logits[i] <= len(tokens[i])), in order of `slots`.
+        num_logits[i] query positions (1 <= num_logits[i] <= len(tokens[i])), in order of `slots`. With `hidden`:
+        the final-norm hidden states there instead, [sum(num_logits), D], for `head` to make logits of in parts.
         """
         b = self._prepare(slots, tokens, num_logits)
-        logits = self.model(b, self.cache.k, self.cache.v)
+        out = self.model(b, self.cache.k, self.cache.v, hidden=hidden)
         for s, t in zip(slots, tokens, strict=True):
             self.cache.lengths[s] += len(t)
-        return logits
+        return out
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Hidden states [N, D] from forward(hidden=True) -> float32 logits [N, vocab]."""
+        return self.model.head(h)
 
     def _prepare(self, slots: list[int], tokens: list[list[int]], num_logits: list[int]) -> Batch:
         B = len(slots)
