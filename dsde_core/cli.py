@@ -73,6 +73,7 @@ def _stats(res: GenerationResult, seconds: float) -> dict[str, Any]:
         "accepted": s.accepted,
         "target_steps": s.steps,
         "finish_reason": res.finish_reason,
+        "stop_reason": res.stop_reason,
         "ttft_s": s.ttft,
     }
 

@@ -41,20 +41,22 @@ def token_bytes(tokenizer: Any) -> Callable[[int], bytes]:
 class TextStream:
     """Turns a growing list of token ids into text deltas; finds stop strings, even across token borders."""
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), min_ids: int = 0) -> None:
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), min_ids: int = 0, keep_stop: bool = False) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
+        self.keep_stop = keep_stop  # the text ends after the stop string, not before it (include_stop_str_in_output)
         self.min_ids = min_ids  # a stop string counts only where an id from the min_ids-th on completes it (min_tokens)
         self._floor: int | None = 0 if min_ids <= 1 else None  # no counted stop string ends within text[:floor]
         self.ids: list[int] = []
         self.text = ""  # the text sent so far
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
         self.kept = 0  # of the last add's ids, those kept: all, or on a stop string up to the one completing it
 
     def add(self, ids: list[int]) -> str:
         """Append token ids; return the new text that is safe to send. On a stop string: sets `stopped` and keeps
         only the ids up to the one that completes it (`kept` of them), as decoding one token at a time would have
-        stopped there; the text ends before the stop string."""
+        stopped there; the text ends before the stop string (after it with keep_stop)."""
         before, self.kept = len(self.ids), len(ids)
         self.ids.extend(ids)
         full = self._decode(len(self.ids))
@@ -62,11 +64,12 @@ class TextStream:
             # the fewest of these ids whose text holds a stop string (speculation accepts several tokens a step)
             for self.kept in range(1, len(ids) + 1):
                 text = self._decode(before + self.kept)
-                if (at := self._stop_at(text)) is not None:
+                if (hit := self._stop_at(text)) is not None:
                     break
             del self.ids[before + self.kept :]
+            at, self.matched = hit
             self.stopped = True
-            return self._send(text[:at])
+            return self._send(text[: at + len(self.matched) if self.keep_stop else at])
         end = len(full)
         if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
             end = len(full.rstrip("\ufffd"))
@@ -78,15 +81,16 @@ class TextStream:
     def _decode(self, n: int) -> str:
         return self.tokenizer.decode(self.ids[:n], skip_special_tokens=True)
 
-    def _stop_at(self, text: str) -> int | None:
-        """Where the first stop string begins in `text` past what was sent and ends past the floor (None: nowhere)."""
+    def _stop_at(self, text: str) -> tuple[int, str] | None:
+        """The first stop string in `text` past what was sent that ends past the floor, and where it begins (None:
+        nowhere)."""
         if self._floor is None and len(self.ids) >= self.min_ids - 1:
             self._floor = len(self._decode(self.min_ids - 1))  # the text of the ids that may not complete one
         if self._floor is None:
             return None
         start = max(0, len(self.text) - max(map(len, self.stop)))
-        hits = [i for i in (text.find(s, max(start, self._floor - len(s) + 1)) for s in self.stop) if i >= 0]
-        return min(hits) if hits else None
+        hits = [(i, s) for s in self.stop if (i := text.find(s, max(start, self._floor - len(s) + 1))) >= 0]
+        return min(hits, key=lambda h: h[0]) if hits else None
 
     def flush(self) -> str:
         """At the end: send what was held back (unless a stop string ended the text)."""

@@ -107,7 +107,8 @@ class Engine:
             if req_id in self.requests:
                 raise ConfigError(f"request id {req_id!r} is already in use")
             req = Request(req_id, prompt, params, spec or SpeculationParams(),
-                          TextStream(self.tokenizer, params.stop, params.min_tokens), on_output)
+                          TextStream(self.tokenizer, params.stop, params.min_tokens,
+                                     params.include_stop_str_in_output), on_output)
             self.requests[req_id] = req
             self.waiting.append(req)
         return req
@@ -292,8 +293,12 @@ class Engine:
         r.stats.record_step(len(v.kld), v.accepted)
         new: list[int] = []
         for tok in v.tokens:
-            if (tok in self.eos_ids and not r.params.ignore_eos) or tok in r.params.stop_token_ids:
+            if tok in self.eos_ids and not r.params.ignore_eos:
                 r.finish_reason = "stop"
+                break
+            if tok in r.params.stop_token_ids:
+                r.finish_reason, r.stop_reason = "stop", tok
+                new += [tok] if r.params.include_stop_str_in_output else []
                 break
             new.append(tok)
             if len(r.output_ids) + len(new) >= r.params.max_tokens:
@@ -302,7 +307,7 @@ class Engine:
         text = r.detok.add(new)
         if r.detok.stopped:  # a stop string: the tokens after the one completing it are dropped
             new = new[: r.detok.kept]
-            r.finish_reason = "stop"
+            r.finish_reason, r.stop_reason = "stop", r.detok.matched
         r.output_ids += new
         logprobs = None if v.logprobs is None else v.logprobs[: len(new)]
         r.logprobs += logprobs or []
@@ -316,6 +321,7 @@ class Engine:
             text += r.detok.flush()
             r.stats.finish = now
         out = RequestOutput(r.req_id, new, text, r.finished, r.finish_reason, stats=r.stats if r.finished else None,
+                            stop_reason=r.stop_reason,
                             logprobs=logprobs, prompt_logprobs=r.prompt_logprobs if first else None)
         return self._emit(out, r)
 

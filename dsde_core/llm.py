@@ -32,6 +32,7 @@ class GenerationResult:
     stats: RequestStats
     logprobs: list[TokenLogprob] | None = None  # one per token, where SamplingParams.logprobs asks for them
     prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token after the first (prompt_logprobs)
+    stop_reason: int | str | None = None  # the stop_token_ids token or the stop string that ended it
 
 
 def eos_token_ids(loaded: LoadedModel) -> set[int]:
@@ -110,7 +111,8 @@ class SpeculativeLLM:
             reqs.append(self.engine.add_request(ids, p, spec))
         self.engine.run()
         return [GenerationResult(r.text, list(r.output_ids), len(r.prompt_ids), r.finish_reason or "", r.stats,
-                                 None if r.params.logprobs is None else r.logprobs, r.prompt_logprobs) for r in reqs]
+                                 None if r.params.logprobs is None else r.logprobs, r.prompt_logprobs, r.stop_reason)
+                for r in reqs]
 
 
 def _policy(policy: str | SpeculationPolicy) -> SpeculationPolicy:

@@ -94,6 +94,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     error: str | None = None
     stats: RequestStats | None = None  # set on the last output of a request
+    stop_reason: int | str | None = None  # vLLM's: the stop_token_ids token or the stop string that ended it
     error_type: str | None = None  # with an error: "unavailable" (a worker did not come back in time) or None
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, where the request asks for them
     prompt_logprobs: list[TokenLogprob] | None = None  # on the first output: one per prompt token after the first
@@ -113,6 +114,7 @@ class Request:
     synced_target: int = 0
     draft_off: bool = False  # the draft raised on this request alone DRAFT_TRIES times: target-only to its end
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop_token_ids token or the stop string that ended it
     error: str | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, where params ask for them

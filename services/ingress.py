@@ -547,7 +547,7 @@ class DSDEServer:
                 status = ERROR_STATUS.get(last.error_type, 500) if last is not None else 500
                 headers = {"Retry-After": str(self.cfg.retry_after_s)} if status == 503 else None
                 raise APIError(status, (last and last.error) or "generation failed", headers=headers)
-        return reply.body([(text, last.finish_reason, last.stats) for text, last in finals])
+        return reply.body(finals)
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -589,7 +589,7 @@ class DSDEServer:
                 if text := echoes.pop(i, "") + out.text:
                     yield sse(reply.chunk(text, index=i))
                 if out.finished:
-                    yield sse(reply.chunk(None if reply.chat else "", out.finish_reason, stats=out.stats, index=i))
+                    yield sse(reply.chunk(None if reply.chat else "", out, index=i))
             if include_usage:
                 yield sse(reply.usage_chunk())
             yield DONE

@@ -139,37 +139,42 @@ class Reply:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def body(self, finals: list[tuple[str, str | None, RequestStats | None]]) -> dict[str, Any]:
-        """The whole response from each choice's (text, finish_reason, stats), in index order."""
+    def body(self, finals: list[tuple[str, RequestOutput]]) -> dict[str, Any]:
+        """The whole response from each choice's (text, last output), in index order."""
         choices = []
-        for c, (text, finish_reason, _) in zip(self.choices, finals, strict=True):
+        for c, (text, last) in zip(self.choices, finals, strict=True):
+            end = _end(last)
             if self.chat:
                 choices.append({"index": c.index, "message": {"role": "assistant", "content": text},
-                                "logprobs": c.logprobs(True), "finish_reason": finish_reason})
+                                "logprobs": c.logprobs(True), **end})
             else:
-                choices.append({"index": c.index, "text": c.echo + text, "logprobs": c.logprobs(False),
-                                "finish_reason": finish_reason})
+                choices.append({"index": c.index, "text": c.echo + text, "logprobs": c.logprobs(False), **end})
         return {**self._head(self.object), "choices": choices, "usage": self.usage(),
-                "speculation": speculation_stats(combined([stats for *_, stats in finals]))}
+                "speculation": speculation_stats(combined([last.stats for _, last in finals]))}
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
-              stats: RequestStats | None = None, index: int = 0) -> dict[str, Any]:
+    def chunk(self, text: str | None, last: RequestOutput | None = None, role: bool = False,
+              index: int = 0) -> dict[str, Any]:
+        """A stream chunk of choice `index`: its text, and where `last` (the choice's finished output) is given, how it
+        ended and its speculation statistics."""
         c = self.choices[index]
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": index, "delta": delta, "logprobs": None if role else c.logprobs(True),
-                      "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": None if role else c.logprobs(True), **_end(last)}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": index, "text": text or "", "logprobs": c.logprobs(False),
-                      "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": c.logprobs(False), **_end(last)}
             out = {**self._head("text_completion"), "choices": [choice]}
-        if stats is not None:
-            out["speculation"] = speculation_stats(stats)
+        if last is not None and last.stats is not None:
+            out["speculation"] = speculation_stats(last.stats)
         return out
 
     def usage_chunk(self) -> dict[str, Any]:
         head = self._head("chat.completion.chunk" if self.chat else "text_completion")
         return {**head, "choices": [], "usage": self.usage()}
+
+
+def _end(last: RequestOutput | None) -> dict[str, Any]:
+    """A choice's finish_reason and vLLM's stop_reason (the stop_token_ids token or the stop string that ended it)."""
+    return {"finish_reason": last and last.finish_reason, "stop_reason": last and last.stop_reason}

@@ -50,6 +50,16 @@ def test_a_stop_string_keeps_the_ids_up_to_the_one_that_completes_it() -> None:
     assert t.kept == 3 and t.ids == [0, 1, 6] and out == "a"
 
 
+def test_keep_stop_ends_the_text_after_the_stop_string_and_names_it() -> None:
+    """vLLM's include_stop_str_in_output: the text ends after the stop string, not before it; the same ids are kept."""
+    s = TextStream(CharTokenizer(), stop=("xyz", "END"), keep_stop=True)
+    out = s.add([0, 4])  # "EN" may start "END": held back
+    out += s.add([5, 6, 7])  # "D" completes "END"; the rest of the step is dropped
+    assert s.stopped and s.matched == "END" and s.kept == 1 and out == s.text == "aEND" and s.flush() == ""
+    plain = TextStream(CharTokenizer(), stop=("xyz", "END"))
+    assert plain.add([0, 4, 5, 6]) == "a" and plain.matched == "END" and plain.ids == s.ids
+
+
 def test_held_back_prefix_is_released_when_it_is_not_a_stop() -> None:
     s = TextStream(CharTokenizer(), stop=("END",))
     assert s.add([4]) == ""

@@ -136,11 +136,15 @@ def test_stop_string_ends_a_request(reference: list[list[int]]) -> None:
     engine = tiny_engine("static:3", batch=2)
     req = engine.add_request(PROMPTS[2], SamplingParams(max_tokens=MAX_TOKENS[2], stop=(stop,)))
     engine.run()
-    assert req.finish_reason == "stop" and stop not in req.text
+    assert req.finish_reason == "stop" and stop not in req.text and req.stop_reason == stop
     assert req.text == "".join(f"<{t}>" for t in reference[2])[: len(req.text)]
     # the tokens end with the one that completes the stop string, as target-only decoding ends (not with the rest of
     # the step's accepted drafts)
     assert req.output_ids == reference[2][: reference[2].index(reference[2][4]) + 1]
+    kept = engine.add_request(PROMPTS[2], SamplingParams(max_tokens=MAX_TOKENS[2], stop=(stop,),
+                                                         include_stop_str_in_output=True))
+    engine.run()
+    assert kept.output_ids == req.output_ids and kept.text == req.text + stop  # vLLM's include_stop_str_in_output
 
 
 def test_speculation_off_per_request_and_max_sl() -> None:

@@ -4,6 +4,8 @@ logits densely."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -107,8 +109,12 @@ def test_stop_token_ids_end_the_request_where_target_only_decoding_ends() -> Non
     params = SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=[stop])
     reqs = _generate("static:4", params)
     assert reqs[0].output_ids == plain[0].output_ids[: plain[0].output_ids.index(stop)]
-    assert reqs[0].finish_reason == "stop"
+    assert reqs[0].finish_reason == "stop" and reqs[0].stop_reason == stop  # vLLM's stop_reason: the token
     assert [r.output_ids for r in reqs] == [_reference(p, params) for p in PROMPTS]
+    kept = _generate("static:4", replace(params, include_stop_str_in_output=True))  # vLLM's: the token stays
+    for r, dropped in zip(kept, reqs, strict=True):
+        assert r.output_ids == dropped.output_ids + ([stop] if dropped.stop_reason == stop else [])
+    assert kept[0].text == "".join(f"<{t}>" for t in kept[0].output_ids) and kept[0].text.endswith(f"<{stop}>")
 
 
 @pytest.mark.parametrize("policy", ["off", "static:4"])

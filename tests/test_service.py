@@ -218,6 +218,19 @@ def test_penalties_through_the_openai_client(tiny_app: App, reference_llm: Specu
     cut = plain.token_ids.index(stop)
     assert res.choices[0].text == reference_llm.tokenizer.decode(plain.token_ids[:cut])
     assert res.choices[0].finish_reason == "stop" and res.usage.completion_tokens == cut
+    assert res.choices[0].model_extra["stop_reason"] == stop  # vLLM's: the token that ended it
+    text = reference_llm.tokenizer.decode(plain.token_ids[: cut + 1])  # vLLM's include_stop_str_in_output keeps it
+    kept = tiny_app.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0,
+                                                extra_body={"stop_token_ids": [stop], "include_stop_str_in_output":
+                                                            True})
+    assert kept.choices[0].text == text and kept.usage.completion_tokens == cut + 1
+    full = reference_llm.tokenizer.decode(plain.token_ids)
+    word = full[8:11]  # a stop string: streamed, kept, named
+    chunks = list(tiny_app.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0,
+                                                       stop=[word], stream=True,
+                                                       extra_body={"include_stop_str_in_output": True}))
+    assert len(word) == 3 and "".join(c.choices[0].text for c in chunks) == full[: full.index(word) + 3]
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].choices[0].model_extra["stop_reason"] == word
 
 
 def test_echo_with_log_probabilities_scores_the_prompt(tiny_app: App, reference_llm: SpeculativeLLM) -> None:

@@ -203,10 +203,16 @@ def test_request_models_bound_their_fields() -> None:
         ChatCompletionRequest(model="m", messages=[{"role": "wizard", "content": "x"}])
 
 
+def _last(finish_reason: str, stats: RequestStats | None = None, stop_reason: int | str | None = None
+          ) -> RequestOutput:
+    """A choice's finished output."""
+    return RequestOutput("r", [], "", True, finish_reason, stats=stats, stop_reason=stop_reason)
+
+
 def test_response_shapes() -> None:
     reply = Reply("m", chat=True, prompt_tokens=3)
     reply.record(RequestOutput(reply.id, [5, 6], "hi"))
-    body = reply.body([("hi", "stop", None)])
+    body = reply.body([("hi", _last("stop"))])
     assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == "hi"
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     assert reply.chunk("", role=True)["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -227,23 +233,23 @@ def test_log_probabilities_in_openais_two_shapes() -> None:
     assert first == {"tokens": ["ab", "c"], "token_logprobs": [-0.1, -0.5], "text_offset": [0, 2],
                      "top_logprobs": [{"ab": -0.1, "é": -2.0}, {"c": -0.5, "ab": -1.5}]}
     reply.record(outs[1])
-    assert reply.chunk("é", "length")["choices"][0]["logprobs"]["text_offset"] == [3]
-    assert reply.chunk("", "length")["choices"][0]["logprobs"]["tokens"] == []  # sent once
+    assert reply.chunk("é", _last("length"))["choices"][0]["logprobs"]["text_offset"] == [3]
+    assert reply.chunk("", _last("length"))["choices"][0]["logprobs"]["tokens"] == []  # sent once
     chat = Reply("m", chat=True, prompt_tokens=1, decode=decode)
     for out in outs:
         chat.record(out)
-    content = chat.body([("abcé", "length", None)])["choices"][0]["logprobs"]["content"]
+    content = chat.body([("abcé", _last("length"))])["choices"][0]["logprobs"]["content"]
     assert [e["token"] for e in content] == ["ab", "c", "é"] and content[2]["bytes"] == [0xC3, 0xA9]
     assert content[0]["top_logprobs"] == [{"token": "ab", "logprob": -0.1, "bytes": [97, 98]},
                                           {"token": "é", "logprob": -2.0, "bytes": [0xC3, 0xA9]}]
     assert chat.usage()["completion_tokens"] == 3 and chat.chunk("", role=True)["choices"][0]["logprobs"] is None
     own = Reply("m", chat=True, prompt_tokens=1, decode=decode, raw={1: b"ab", 2: b"\xc3", 3: b"\xa9"}.__getitem__)
     own.record(outs[1])
-    [entry] = own.body([("é", "length", None)])["choices"][0]["logprobs"]["content"]
+    [entry] = own.body([("é", _last("length"))])["choices"][0]["logprobs"]["content"]
     assert entry["bytes"] == [0xA9] and [e["bytes"] for e in entry["top_logprobs"]] == [[0xA9], [0xC3]]
     plain = Reply("m", chat=False, prompt_tokens=1)
     plain.record(outs[0])
-    assert plain.body([("abc", "length", None)])["choices"][0]["logprobs"] is None
+    assert plain.body([("abc", _last("length"))])["choices"][0]["logprobs"] is None
 
 
 def test_an_echo_starts_the_text_and_the_log_probabilities_with_the_prompts() -> None:
@@ -253,14 +259,14 @@ def test_an_echo_starts_the_text_and_the_log_probabilities_with_the_prompts() ->
                           prompt_logprobs=[TokenLogprob(-2.5, ((1, -1.0),))])
     reply = Reply("m", chat=False, prompt_tokens=2, decode=decode, echoes=["Hi there"], prompt_ids=[[7, 8]])
     reply.record(first)
-    choice = reply.body([("ab", "length", None)])["choices"][0]
+    choice = reply.body([("ab", _last("length"))])["choices"][0]
     assert choice["text"] == "Hi thereab" and reply.usage()["completion_tokens"] == 1
     assert choice["logprobs"] == {"tokens": ["Hi", " there", "ab"], "token_logprobs": [None, -2.5, -0.1],
                                   "top_logprobs": [None, {"ab": -1.0}, {"ab": -0.1}], "text_offset": [0, 2, 8]}
     bare = Reply("m", chat=False, prompt_tokens=2, echoes=["Hi there"])
     bare.record(RequestOutput("r", [1], "ab", True, "length"))
-    assert bare.body([("ab", "length", None)])["choices"][0] == {"index": 0, "text": "Hi thereab", "logprobs": None,
-                                                                 "finish_reason": "length"}
+    assert bare.body([("ab", _last("length"))])["choices"][0] == {"index": 0, "text": "Hi thereab", "logprobs": None,
+                                                                 "finish_reason": "length", "stop_reason": None}
 
 
 def test_several_prompts_each_with_n_choices_indexed_prompt_major() -> None:
@@ -270,7 +276,7 @@ def test_several_prompts_each_with_n_choices_indexed_prompt_major() -> None:
     assert len({reply.request_id(k) for k in range(4)}) == 4
     for k in range(4):
         reply.record(RequestOutput("x", [k], "t"), k)
-    body = reply.body([(str(k), "length", None) for k in range(4)])
+    body = reply.body([(str(k), _last("length")) for k in range(4)])
     assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "A0"), (1, "A1"), (2, "BB2"), (3, "BB3")]
     assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
 
@@ -283,13 +289,16 @@ def test_n_choices_each_with_its_index_seed_and_tokens_and_the_prompt_counted_on
              RequestStats(steps=3, drafted=0, sl=[0] * 3)]
     for i, tokens in enumerate([[1, 2], [3], [4, 5, 6]]):
         reply.record(RequestOutput("x", tokens, "t"), i)
-    body = reply.body([("a", "length", stats[0]), ("b", "stop", stats[1]), ("c", "length", stats[2])])
-    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
-        (0, "a", "length"), (1, "b", "stop"), (2, "c", "length")]
+    body = reply.body([("a", _last("length", stats[0])), ("b", _last("stop", stats[1], "\n")),
+                       ("c", _last("stop", stats[2], 42))])
+    assert [(c["index"], c["text"], c["finish_reason"], c["stop_reason"]) for c in body["choices"]] == [
+        (0, "a", "length", None), (1, "b", "stop", "\n"), (2, "c", "stop", 42)]  # vLLM's: the string, the token
     assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}
     spec = body["speculation"]  # over all choices
     assert (spec["steps"], spec["drafted"], spec["accepted"], spec["mean_sl"]) == (5, 4, 2, 0.8)
     assert reply.chunk("x", index=2)["choices"][0]["index"] == 2
+    end = reply.chunk("", _last("stop", stats[0], 42), index=1)
+    assert end["choices"][0]["stop_reason"] == 42 and end["speculation"]["drafted"] == 4
     base = SamplingParams(max_tokens=5, temperature=1.0, seed=7)
     assert [choice_params(base, i).seed for i in range(3)] == [7, 8, 9]
     assert choice_params(SamplingParams(), 2).seed is None and choice_params(base, 2).max_tokens == 5
