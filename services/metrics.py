@@ -41,7 +41,8 @@ METRICS: list[tuple[str, str, str, tuple[str, ...], list[float] | None]] = [
     ("dsde_cost_draft_per_token_seconds", "gauge", "Step-cost model: added per draft token proposed", (), None),
     ("dsde_cost_draft_context_per_token_seconds", "gauge",
      "Step-cost model: added per context token the draft takes in (a first draft step's prefill)", (), None),
-    ("dsde_prompt_tokens", "counter", "Prompt tokens of admitted requests", (), None),
+    ("dsde_prompt_tokens", "counter", "Prompt tokens of admitted engine requests: each of a request's n choices "
+     "prefills its prompt (a response's usage counts the prompt once)", (), None),
     ("dsde_generation_tokens", "counter", "Tokens generated", (), None),
     ("dsde_spec_decode_num_drafts", "counter", "Sequence-steps that proposed at least one draft token", (), None),
     ("dsde_spec_decode_num_draft_tokens", "counter", "Draft tokens proposed", (), None),
@@ -52,7 +53,8 @@ METRICS: list[tuple[str, str, str, tuple[str, ...], list[float] | None]] = [
      ("position",), None),
     ("dsde_speculation_enabled", "counter", "Sequence-steps planned with k > 0", (), None),
     ("dsde_speculation_disabled", "counter", "Sequence-steps planned with k = 0 (target-only step)", (), None),
-    ("dsde_requests_finished", "counter", "Requests ended, by reason (stop, length, cancelled, error)",
+    ("dsde_requests_finished", "counter", "Engine requests (one per choice) ended, by reason (stop, length, cancelled, "
+     "error)",
      ("finished_reason",), None),
     ("dsde_request_errors", "counter", "HTTP error responses, by status code", ("status_code",), None),
     ("dsde_time_to_first_token_seconds", "histogram", "Arrival to first token", (), LATENCY_BUCKETS),
