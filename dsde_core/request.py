@@ -94,10 +94,10 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     error: str | None = None
     stats: RequestStats | None = None  # set on the last output of a request
-    stop_reason: int | str | None = None  # vLLM's: the stop_token_ids token or the stop string that ended it
     error_type: str | None = None  # with an error: "unavailable" (a worker did not come back in time) or None
     logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, where the request asks for them
     prompt_logprobs: list[TokenLogprob] | None = None  # on the first output: one per prompt token after the first
+    stop_reason: int | str | None = None  # vLLM's: the stop_token_ids token or the stop string that ended it
 
 
 @dataclass
