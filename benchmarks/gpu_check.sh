@@ -12,7 +12,7 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
   | tee -a "$out/device.txt"
 DSDE_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts= \
   tests/test_engine.py tests/test_goodput.py tests/test_async_engine.py tests/test_engine_recovery.py \
-  tests/test_logprobs.py tests/test_logits_processors.py \
+  tests/test_logprobs.py tests/test_logits_processors.py tests/test_chunked_prefill.py \
   2>&1 | tee "$out/pytest_cuda.log" | tail -n 40
 echo "pytest rc ${PIPESTATUS[0]}"
 timeout 240 python3 benchmarks/gpu_costs.py --configs "$configs" --out "$out/costs_gpu.json" 2>&1 \

@@ -29,6 +29,9 @@ def _add_serve(sub: Any) -> None:
     s.add_argument("--max-seq-len", type=int, default=2048, help="context window per sequence")
     s.add_argument("--draft-window", type=int, default=None, metavar="N",
                    help="the draft takes in only the last N tokens of a prompt (README, Draft window; default: off)")
+    s.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="chunked prefill: the most prompt tokens the target takes in one step, while the running "
+                        "requests decode (README, Chunked prefill; default 4096; 0: no limit)")
     s.add_argument("--threads", type=int, default=None, help="torch threads per model actor (default: all cores)")
     s.add_argument("--num-gpus", type=float, default=0.0, help="GPUs for each model actor (default 0)")
     s.add_argument("--host", default="127.0.0.1")
@@ -65,6 +68,8 @@ def _serve(args: argparse.Namespace) -> int:
         app_args["api_key"] = args.api_key
     if args.draft_window is not None:
         app_args["draft_window"] = args.draft_window
+    if args.prefill_chunk is not None:
+        app_args["prefill_chunk"] = None if args.prefill_chunk == 0 else args.prefill_chunk
     opts = LocalServe(app_args, host=args.host, port=args.port, num_cpus=args.num_cpus,
                       metrics_port=args.metrics_port or None, worker_niceness=args.worker_niceness,
                       prometheus_sd=None if args.prometheus_sd.lower() == "none" else args.prometheus_sd)

@@ -148,27 +148,34 @@ class Engine:
         outputs += self._admit()
         if not self.running or self.health["target"].down:
             return outputs
-        rows = self._rows()  # every running request; after a target fault, one suspect at a time
+        # every running request (after a target fault, one suspect at a time); a prefill over the step's budget is fed
+        # a chunk of its context (chunks) and runs its step once the rest fits
+        rows, chunks = self._chunk_prefills(self._rows())
         self._draft_alone = next((r for r in rows if r.req_id in self._draft_suspects), None)
-        plans = self._plan_or_fallback(rows)
-        prefill = any(r.synced_target == 0 for r in rows)  # a prompt is fed
+        plans = self._plan_or_fallback(rows) if rows else {}
+        prefill = bool(chunks) or any(self._prefilling(r) for r in rows)  # a prompt is fed
         t1 = time.perf_counter()
         proposals = self._propose(rows, plans)
         t2 = time.perf_counter()
-        pending = [self._pending(r) for r in rows]
+        pending = [self._pending(r) for r in rows] + [n for _, n in chunks]
         contexts = [r.num_tokens for r in rows]
         tasks = [self._verify_task(r, proposals.get(r.req_id)) for r in rows]
+        tasks += [self._verify_task(r, None, n) for r, n in chunks]
+        fed = rows + [r for r, _ in chunks]
         try:
             verdicts = self.target.verify(tasks)
         except WorkerUnavailable as e:  # nothing was committed: the step is lost, the requests wait for the target
             self._failed("target", e)
             return outputs
         except Exception as e:  # a fault: nothing was committed; only a request the target fails on alone ends
-            return outputs + self._target_fault(rows, e)
-        for r in rows:
+            return outputs + self._target_fault(fed, e)
+        for r in fed:
             self._suspects.pop(r.req_id, None)
+        for (r, _), v in zip(chunks, verdicts[len(rows) :], strict=True):
+            r.scored += v.prompt_logprobs or []
+        verdicts = verdicts[: len(rows)]
         t3 = time.perf_counter()
-        if not self.health["policy"].down:
+        if rows and not self.health["policy"].down:
             try:
                 self.policy.observe([self._feedback(r, plans[r.req_id], proposals.get(r.req_id), v)
                                      for r, v in zip(rows, verdicts, strict=True)])
@@ -194,10 +201,35 @@ class Engine:
         return {i.req_id: replace(p, k=min(p.k, i.max_k)) for i, p in zip(infos, plans, strict=True)}
 
     @staticmethod
-    def _pending(r: Request) -> int:
-        """Tokens the target is fed for r this step besides the drafts: its whole context after a (re)start, else 1
-        (the target's cache holds every committed token but the last: the correction or bonus token)."""
-        return r.num_tokens if r.synced_target == 0 else 1
+    def _prefilling(r: Request) -> bool:
+        """The target's cache lacks more of r's context than its last committed token: a (re)start, or a chunked
+        prefill under way."""
+        return r.synced_target == 0 or r.chunked
+
+    def _pending(self, r: Request) -> int:
+        """Tokens the target is fed for r this step besides the drafts: the rest of its context during a prefill, else
+        1 (the target's cache holds every committed token but the last: the correction or bonus token)."""
+        return r.num_tokens - r.synced_target if self._prefilling(r) else 1
+
+    def _chunk_prefills(self, rows: list[Request]) -> tuple[list[Request], list[tuple[Request, int]]]:
+        """Chunked prefill: (the rows that run a whole step, the (row, tokens) fed a chunk of their context). In row
+        order, prefills share config.prefill_chunk context tokens: one that fits runs its step; the first that does not
+        is fed the budget's rest and sits out the plan, the draft and the commit; later ones wait a step. Decoding rows
+        always run, so a long prompt never stalls them for more than one chunk."""
+        budget = self.config.prefill_chunk
+        if budget is None:
+            return rows, []
+        whole: list[Request] = []
+        chunks: list[tuple[Request, int]] = []
+        for r in rows:
+            need = self._pending(r)
+            if not self._prefilling(r) or need <= budget:
+                whole.append(r)
+                budget -= need if self._prefilling(r) else 0
+            elif budget > 0:
+                chunks.append((r, budget))
+                budget = 0
+        return whole, chunks
 
     def _observe_costs(self, pending: list[int], proposals: dict[str, Proposal], draft_s: float,
                        verify_s: float) -> None:
@@ -260,12 +292,17 @@ class Engine:
             self._draft_suspects.pop(alone.req_id, None)
         return {r.req_id: p for r, p in zip(reqs, proposals, strict=True) if p.tokens}
 
-    def _verify_task(self, r: Request, proposal: Proposal | None) -> VerifyTask:
+    def _verify_task(self, r: Request, proposal: Proposal | None, chunk: int | None = None) -> VerifyTask:
+        """r's tokens for the target: all it has not been fed, or with `chunk` that many of a prefill's (no proposal;
+        the target only caches them)."""
+        start = r.synced_target
+        if start == 0:
+            r.scored = []
         # the prompt's log-probabilities where asked, once: from the prefill of a fresh slot (it feeds every token)
-        fresh = r.synced_target == 0 and r.prompt_logprobs is None
-        task = VerifyTask(r.slot, r.tokens[r.synced_target:], proposal, r.params.prompt_logprobs if fresh else None)
-        r.synced_target = r.num_tokens
-        return task
+        asks = r.params.prompt_logprobs if r.prompt_logprobs is None and self._prefilling(r) else None
+        end = r.num_tokens if chunk is None else start + chunk
+        r.synced_target, r.chunked = end, chunk is not None
+        return VerifyTask(r.slot, r.tokens[start:end], proposal, asks, partial=chunk is not None)
 
     @staticmethod
     def _feedback(r: Request, plan: Plan, prop: Proposal | None, v: Verdict) -> StepFeedback:
@@ -312,8 +349,8 @@ class Engine:
         logprobs = None if v.logprobs is None else v.logprobs[: len(new)]
         r.logprobs += logprobs or []
         first = v.prompt_logprobs is not None and r.prompt_logprobs is None  # the prefill that computed them
-        if first:
-            r.prompt_logprobs = v.prompt_logprobs[: len(r.prompt_ids) - 1]
+        if first:  # the earlier chunks' and this step's
+            r.prompt_logprobs, r.scored = (r.scored + v.prompt_logprobs)[: len(r.prompt_ids) - 1], []
         if new:
             r.stats.first_token = r.stats.first_token or now
             r.stats.token_times += [now] * len(new)

@@ -112,6 +112,8 @@ class Request:
     slot: int | None = None
     synced_draft: int = 0  # tokens of prompt + output the draft worker has been sent
     synced_target: int = 0
+    chunked: bool = False  # the target holds the first synced_target tokens of a prefill fed in chunks (not all yet)
+    scored: list[TokenLogprob] = field(default_factory=list)  # prompt log-probabilities of the prefill's chunks so far
     draft_off: bool = False  # the draft raised on this request alone DRAFT_TRIES times: target-only to its end
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop_token_ids token or the stop string that ended it

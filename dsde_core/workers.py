@@ -70,6 +70,7 @@ class VerifyTask:
     new_tokens: list[int]
     proposal: Proposal | None = None  # None: a plain target step (prefill or target-only decoding)
     prompt_logprobs: int | None = None  # with a fresh slot's prefill: each prompt token's log p and the n likeliest
+    partial: bool = False  # a chunk of a prefill: fed and cached, nothing judged (no proposal)
 
 
 @dataclass
@@ -92,6 +93,7 @@ class _Slot:
     offset: int = 0  # committed tokens before the cache's first (a windowed draft skipped them)
     prompt_len: int = 0  # committed[:prompt_len] is the prompt, the rest the output (penalties count the output)
     history: tuple[int, History] | None = None  # (len(committed), History): what penalties count, kept per length
+    score_row: torch.Tensor | None = None  # [D]: a prefill chunk's last hidden state, which predicts the next chunk's
 
     def process(self, logits: torch.Tensor, drafts: list[int], first: int = 0) -> torch.Tensor:
         """logits [n, V], row j at the position after the committed tokens and drafts[:first + j] -> the logits the
@@ -240,19 +242,32 @@ class TargetWorker(_Worker):
         ns = [len(f) if t.prompt_logprobs is not None else k + 1 for t, f, k in zip(tasks, feeds, ks, strict=True)]
         h = self.runner.forward([t.slot for t in tasks], feeds, ns, hidden=True)  # [sum(ns), D]
         ends = torch.tensor(ns).cumsum(0).tolist()
-        verified = [e - k - 1 + j for e, k in zip(ends, ks, strict=True) for j in range(k + 1)]  # the last k+1 rows
-        logits = self.runner.head(h if len(verified) == len(h) else h[verified]).cpu()  # [sum(k+1), V]
+        verified = [e - k - 1 + j for t, e, k in zip(tasks, ends, ks, strict=True) if not t.partial
+                    for j in range(k + 1)]  # the last k+1 rows of each judged sequence
+        logits = self.runner.head(h if len(verified) == len(h) else h[verified]).cpu() if verified else None
         verdicts, row = [], 0
-        for t, feed, k, end in zip(tasks, feeds, ks, ends, strict=True):
+        for t, feed, k, n, end in zip(tasks, feeds, ks, ns, ends, strict=True):
             s = self.slots[t.slot]
             s.cached.extend(feed)
-            v = self._judge(s, t.slot, logits[row : row + k + 1], t.proposal)  # [k+1, V]
-            row += k + 1
-            if t.prompt_logprobs is not None:  # hidden row i predicts fed token i + 1; a chunk's logits at a time
-                fed = h[end - len(feed) : end - k - 1]  # [len(feed) - k - 1, D]: the rows before the verified ones
-                v.prompt_logprobs = token_logprobs(fed, feed[1 : len(feed) - k], t.prompt_logprobs, self.runner.head)
+            if t.partial:  # a prefill's chunk: cached, nothing to judge
+                v = Verdict(t.slot, [], 0, [])
+            else:
+                v = self._judge(s, t.slot, logits[row : row + k + 1], t.proposal)  # [k+1, V]
+                row += k + 1
+            if t.prompt_logprobs is not None:
+                v.prompt_logprobs = self._score(s, h[end - n : end], feed, k, t)
             verdicts.append(v)
         return verdicts
+
+    def _score(self, s: _Slot, h: torch.Tensor, feed: list[int], k: int, t: VerifyTask) -> list[TokenLogprob]:
+        """The fed context tokens' log-probabilities from their hidden states h [len(feed), D]: row i predicts fed
+        token i + 1 (the drafts' rows are the verdict's), the previous chunk's last row this chunk's first token, and
+        a chunk's last row the next chunk's. The head makes their logits a few rows at a time."""
+        rows, toks = h[: len(feed) - k - 1], feed[1 : len(feed) - k]
+        if s.score_row is not None:
+            rows, toks = torch.cat([s.score_row[None], rows]), feed[:1] + toks
+        s.score_row = h[-1] if t.partial else None
+        return token_logprobs(rows, toks, t.prompt_logprobs, self.runner.head)
 
     def _judge(self, s: _Slot, slot: int, raw: torch.Tensor, prop: Proposal | None) -> Verdict:
         drafts = prop.tokens if prop else []

@@ -53,6 +53,7 @@ class ServiceConfig:
     draft_top_k: int = 64
     draft_quant: str = "auto"  # the draft's weights: int8, none, or auto (int8 for bf16 on a CPU), as in-process
     draft_window: int | None = None  # the draft takes in only a prompt's last N tokens (EngineConfig); None: off
+    prefill_chunk: int | None = 4096  # the most prompt tokens the target's prefills take in one step; None: no limit
     policy: str = DEFAULT_POLICY  # the initial policy; a user_config replaces it live
     num_threads: int | None = None  # torch threads in each model actor; None: the machine's cores
     draft_num_cpus: float = 1.0
@@ -126,7 +127,7 @@ class ServiceConfig:
     def engine_config(self) -> EngineConfig:
         return EngineConfig(max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len, max_sl=self.max_sl,
                             draft_top_k=self.draft_top_k, dtype=self.dtype, draft_quant=self.draft_quant,
-                            draft_window=self.draft_window,
+                            draft_window=self.draft_window, prefill_chunk=self.prefill_chunk,
                             device="cpu" if self.device == "auto" else self.device, num_threads=self.num_threads,
                             worker_wait_s=self.worker_wait_s)
 

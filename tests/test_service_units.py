@@ -30,13 +30,16 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_service_config_defaults_and_errors() -> None:
     cfg = ServiceConfig()
     assert cfg.draft and cfg.target and cfg.served_name == cfg.target
+    assert cfg.engine_config().prefill_chunk == 4096  # chunked prefill reaches the ingress's engine; null: no limit
+    assert ServiceConfig.from_args({"prefill_chunk": None}).engine_config().prefill_chunk is None
     assert ServiceConfig(target="/models/my-model/", draft="none").served_name == "my-model"
     assert ServiceConfig(draft="none").draft is None
     for bad, word in [({"max_batch_size": 0}, "max_batch_size"), ({"dtype": "int8"}, "dtype"),
                       ({"policy": "bogus"}, "bogus"), ({"target_num_gpus": -1}, "target_num_gpus"),
                       ({"device": "tpu"}, "device"), ({"nonsense": 1}, "nonsense"),
                       ({"admit_wait_s": -0.1}, "admit_wait_s"), ({"admit_wait_s": "soon"}, "admit_wait_s"),
-                      ({"draft_window": 0}, "draft_window"), ({"draft_window": -1}, "draft_window")]:
+                      ({"draft_window": 0}, "draft_window"), ({"draft_window": -1}, "draft_window"),
+                      ({"prefill_chunk": 0}, "prefill_chunk")]:
         with pytest.raises(ConfigError, match=word):
             ServiceConfig.from_args(bad)
 
