@@ -467,8 +467,7 @@ class DSDEServer:
         self._check_model(body.model)
         prompts = body.prompts()
         ids = [list(self.tokenizer(p)["input_ids"]) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
-        echoes = [p if isinstance(p, str) else self.tokenizer.decode(i) for p, i in zip(prompts, ids, strict=True)]
-        return await self._generate(body, ids, chat=False, echoes=echoes if body.echo else None)
+        return await self._generate(body, ids, chat=False, echo=prompts if body.echo else None)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest) -> Any:
@@ -520,9 +519,12 @@ class DSDEServer:
                            type_="rate_limit_error", headers=retry)
 
     async def _generate(self, body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], chat: bool,
-                        echoes: list[str] | None = None) -> Any:
-        """n choices per prompt, each its own engine request: choice k is prompt k // n's, with seed + k % n."""
+                        echo: list[str] | list[list[int]] | None = None) -> Any:
+        """n choices per prompt, each its own engine request: choice k is prompt k // n's, with seed + k % n. `echo`:
+        the prompts as sent, which their choices' texts start with (token ids decoded once they are checked)."""
         params = [self._params(body, ids, f"prompt {i}: " if len(prompts) > 1 else "") for i, ids in enumerate(prompts)]
+        echoes = None if echo is None else [p if isinstance(p, str) else self.tokenizer.decode(ids)
+                                            for p, ids in zip(echo, prompts, strict=True)]
         n = body.n
         self._admit(len(prompts) * n)
         asks = params[0].prompt_logprobs is not None

@@ -442,6 +442,8 @@ BAD_REQUESTS = [
     ("completions", {"model": MODEL}, 400, "prompt"),
     ("completions", {"model": MODEL, "prompt": ""}, 400, "empty"),
     ("completions", {"model": MODEL, "prompt": [1, 2, 10**7]}, 400, "token ids"),
+    ("completions", {"model": MODEL, "prompt": [-5, 3]}, 400, "token ids"),  # the tokenizer's decode raised: a 500
+    ("completions", {"model": MODEL, "prompt": [-5, 3], "echo": True}, 400, "token ids"),
     ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": TINY_SEQ_LEN}, 400, str(TINY_SEQ_LEN)),
     ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"max_sl": 100}}, 400, "max_sl"),
     ("completions", {"model": MODEL, "prompt": "hi", "speculation": {"bogus": 1}}, 400, "bogus"),
