@@ -222,10 +222,11 @@ class Engine:
         whole: list[Request] = []
         chunks: list[tuple[Request, int]] = []
         for r in rows:
-            need = self._pending(r)
-            if not self._prefilling(r) or need <= budget:
+            if not self._prefilling(r):
                 whole.append(r)
-                budget -= need if self._prefilling(r) else 0
+            elif (need := self._pending(r)) <= budget:
+                whole.append(r)
+                budget -= need
             elif budget > 0:
                 chunks.append((r, budget))
                 budget = 0

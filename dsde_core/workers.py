@@ -17,6 +17,7 @@ on a CPU device), where each request's generator lives, so a seed draws the same
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -241,7 +242,7 @@ class TargetWorker(_Worker):
         # rows per sequence: its k+1 verified positions, or every position fed where the prompt's are asked for
         ns = [len(f) if t.prompt_logprobs is not None else k + 1 for t, f, k in zip(tasks, feeds, ks, strict=True)]
         h = self.runner.forward([t.slot for t in tasks], feeds, ns, hidden=True)  # [sum(ns), D]
-        ends = torch.tensor(ns).cumsum(0).tolist()
+        ends = list(itertools.accumulate(ns))
         verified = [e - k - 1 + j for t, e, k in zip(tasks, ends, ks, strict=True) if not t.partial
                     for j in range(k + 1)]  # the last k+1 rows of each judged sequence
         logits = self.runner.head(h if len(verified) == len(h) else h[verified]).cpu() if verified else None

@@ -147,8 +147,8 @@ class CompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _some_prompts(self) -> CompletionRequest:
-        if len(self.prompts()) > MAX_PROMPTS:
-            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(self.prompts())}")
+        if (count := len(self.prompts())) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {count}")
         return self
 
     def prompts(self) -> list[str | list[int]]:
