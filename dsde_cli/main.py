@@ -30,7 +30,7 @@ def _add_serve(sub: Any) -> None:
     s.add_argument("--draft-window", type=int, default=None, metavar="N",
                    help="the draft takes in only the last N tokens of a prompt (README, Draft window; default: off)")
     s.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
-                   help="chunked prefill: the most prompt tokens the target takes in one step, while the running "
+                   help="chunked prefill: the most prompt tokens each model takes in a step, while the running "
                         "requests decode (README, Chunked prefill; default 4096; 0: no limit)")
     s.add_argument("--threads", type=int, default=None, help="torch threads per model actor (default: all cores)")
     s.add_argument("--num-gpus", type=float, default=0.0, help="GPUs for each model actor (default 0)")

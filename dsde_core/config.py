@@ -138,9 +138,10 @@ class EngineConfig:
     draft_window: int | None = None
     draft_logit_noise: float = 0.0  # experiments only: Gaussian noise (std, in logits) makes a deliberately weak draft
     extra_eos_ids: tuple[int, ...] = field(default=())
-    # chunked prefill: the most context tokens the target's prefills take in one step, in running order; a longer
-    # prefill is fed over several steps, and the running requests decode in each of them. None: no limit. 4096 is
-    # above every benchmark batch's prompts (the largest: 16 prompts, 3,346 tokens)
+    # chunked prefill: the most context tokens the target's prefills take in one step, in running order, and the same
+    # for the draft's (a speculating request's prompt); a longer prefill is fed over several steps, and the running
+    # requests decode in each of them. None: no limit. 4096 is above every benchmark batch's prompts (the largest: 16
+    # prompts, 3,346 tokens)
     prefill_chunk: int | None = 4096
     worker_wait_s: float = 60.0  # how long requests wait for a failed target to come back before they end in an error
     worker_probe_s: float = 0.2  # how often a failed worker (target, draft, policy host) is asked whether it is back

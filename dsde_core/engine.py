@@ -78,7 +78,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.step_log: deque[StepRecord] = deque(maxlen=4096)
         self.costs = OnlineCostModel()  # learnt from this engine's decode steps; cost-aware policies plan with it
-        self._draft_rows = 0
+        self._draft_rows = self._draft_context = 0
+        self._draft_chunked = False
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()  # add_request / cancel may come from other threads
         self.health = {role: WorkerHealth(role) for role in ROLES}  # see dsde_core.recovery and _recover
@@ -153,10 +154,10 @@ class Engine:
         rows, chunks = self._chunk_prefills(self._rows())
         self._draft_alone = next((r for r in rows if r.req_id in self._draft_suspects), None)
         plans = self._plan_or_fallback(rows) if rows else {}
-        prefill = bool(chunks) or any(self._prefilling(r) for r in rows)  # a prompt is fed
         t1 = time.perf_counter()
         proposals = self._propose(rows, plans)
         t2 = time.perf_counter()
+        prefill = bool(chunks) or self._draft_chunked or any(self._prefilling(r) for r in rows)  # a prompt is fed
         pending = [self._pending(r) for r in rows] + [n for _, n in chunks]
         contexts = [r.num_tokens for r in rows]
         tasks = [self._verify_task(r, proposals.get(r.req_id)) for r in rows]
@@ -255,9 +256,11 @@ class Engine:
 
     def _propose(self, rows: list[Request], plans: dict[str, Plan]) -> dict[str, Proposal]:
         self._draft_rows = self._draft_context = 0  # rows and context tokens of the draft call (for the cost model)
+        self._draft_chunked = False  # a draft prefill was fed a chunk
         if self.draft is None or self.health["draft"].down:
             return {}
         tasks, reqs = [], []
+        budget = self.config.prefill_chunk  # the draft's prefills share one too (_draft_chunk)
         drafting = any(p.k > 0 for p in plans.values())
         alone = self._draft_alone
         for r in rows if alone is None else [alone]:
@@ -271,12 +274,19 @@ class Engine:
             # prefill, not a cheap ride, and a request that never speculates never pays for it.
             lag = r.num_tokens - r.synced_draft
             ride = lag > 0 and r.synced_draft > 0 and (drafting or lag >= self.config.draft_max_lag)
-            if plan.k > 0 or ride or self.config.draft_catch_up or r is alone:  # a suspect is tried even at k = 0
-                tasks.append(DraftTask(r.slot, r.tokens[r.synced_draft:], plan.k, plan.min_confidence, plan.p_next,
-                                       plan.accept_model, plan.worth))
-                reqs.append(r)
-                self._draft_context += r.draft_context(plan.k > 0, self.config.draft_window)  # prefill or catch-up
-                r.synced_draft = r.num_tokens
+            if not (plan.k > 0 or ride or self.config.draft_catch_up or r is alone):  # a suspect is tried at k = 0
+                continue
+            context = r.draft_context(plan.k > 0, self.config.draft_window)  # a prefill's or a catch-up's
+            fed, budget = self._draft_chunk(r, context, budget)
+            if fed == 0 < context:  # the step's draft prefills took the budget: it waits a step
+                continue
+            k = plan.k if fed == context else 0  # a chunk of a prefill: only cached, nothing drafted this step
+            tasks.append(DraftTask(r.slot, r.tokens[r.synced_draft:], k, plan.min_confidence, plan.p_next,
+                                   plan.accept_model, plan.worth, limit=None if fed == context else fed))
+            reqs.append(r)
+            self._draft_context += fed
+            self._draft_chunked |= fed < context
+            r.synced_draft, r.draft_gap = r.num_tokens, context - fed
         if not tasks:
             return {}
         self._draft_rows = len(tasks)
@@ -292,6 +302,17 @@ class Engine:
         if alone is not None:  # it passed
             self._draft_suspects.pop(alone.req_id, None)
         return {r.req_id: p for r, p in zip(reqs, proposals, strict=True) if p.tokens}
+
+    @staticmethod
+    def _draft_chunk(r: Request, context: int, budget: int | None) -> tuple[int, int | None]:
+        """Chunked prefill for the draft: (context tokens the draft takes in for r this step, the budget left). In row
+        order, the draft's prefills share config.prefill_chunk tokens as the target's do; one that does not fit takes
+        the budget's rest as a chunk and proposes nothing until the rest fits. A prompt still reaches the draft only
+        when its request first drafts, so a request that never speculates never pays for it."""
+        if budget is None or not r.draft_prefilling:
+            return context, budget
+        fed = min(context, budget)
+        return fed, budget - fed
 
     def _verify_task(self, r: Request, proposal: Proposal | None, chunk: int | None = None) -> VerifyTask:
         """r's tokens for the target: all it has not been fed, or with `chunk` that many of a prefill's (no proposal;

@@ -112,6 +112,7 @@ class Request:
     slot: int | None = None
     synced_draft: int = 0  # tokens of prompt + output the draft worker has been sent
     synced_target: int = 0
+    draft_gap: int = 0  # a draft prefill fed in chunks: context tokens sent to the draft that it has not taken in yet
     chunked: bool = False  # the target holds the first synced_target tokens of a prefill fed in chunks (not all yet)
     scored: list[TokenLogprob] = field(default_factory=list)  # prompt log-probabilities of the prefill's chunks so far
     draft_off: bool = False  # the draft raised on this request alone DRAFT_TRIES times: target-only to its end
@@ -141,12 +142,19 @@ class Request:
     def remaining(self) -> int:
         return self.params.max_tokens - len(self.output_ids)
 
+    @property
+    def draft_prefilling(self) -> bool:
+        """The draft's cache lacks the context: empty (it never drafted, or the draft restarted) or being chunked."""
+        return self.synced_draft == 0 or self.draft_gap > 0
+
     def draft_context(self, drafting: bool, window: int | None = None) -> int:
         """Context tokens the draft takes in when it is next fed this sequence: all unsent tokens but the last (the
         draft's first forward), except for a sequence that drafts from a warm cache, whose unsent tokens are its
         accepted drafts (already cached). An empty cache (never drafted, or the draft restarted) means a prefill, of at
-        most `window` tokens (EngineConfig.draft_window)."""
-        if drafting and self.synced_draft > 0:
-            return 0
-        lag = max(self.num_tokens - self.synced_draft - 1, 0)
-        return min(lag, window) if self.synced_draft == 0 and window is not None else lag  # a windowed prefill
+        most `window` tokens (EngineConfig.draft_window); a prefill in chunks has its gap and the unsent tokens left."""
+        if self.synced_draft == 0:
+            lag = max(self.num_tokens - 1, 0)
+            return min(lag, window) if window is not None else lag  # a windowed prefill
+        if self.draft_gap:
+            return self.draft_gap + self.num_tokens - self.synced_draft
+        return 0 if drafting else max(self.num_tokens - self.synced_draft - 1, 0)

@@ -10,6 +10,8 @@ committed token is always fed again) and feeds the rest. One rule covers rollbac
 the draft catching up after a fully accepted step, and rebuilding an empty cache after a restart.
 A draft given a window (EngineConfig.draft_window, off by default) starts an empty cache at the last
 `window` committed tokens instead of the first: its proposals are verified, so the output stays lossless.
+A catch-up task may carry a limit: a prefill fed in chunks (EngineConfig.prefill_chunk) takes in that many tokens a
+call, and the prefix match picks up where the last chunk ended.
 
 Sampling, verification and the KLD signal run on the host: a forward's logits come back to the CPU once (a no-op
 on a CPU device), where each request's generator lives, so a seed draws the same tokens on any device.
@@ -55,6 +57,7 @@ class DraftTask:
     p_next: float | None = None  # the batch's DraftStop decides when this row stops (see Plan.p_next)
     accept_model: AcceptModel = CONFIDENCE_AS_P  # this row's acceptance model in the DraftStop
     worth: float = 1.0  # what a token of this row is worth in the DraftStop (see Plan.worth)
+    limit: int | None = None  # a chunk of a prefill (k = 0): take in at most this many context tokens
 
 
 @dataclass
@@ -183,7 +186,7 @@ class DraftWorker(_Worker):
         # sequences with k = 0 only catch up: feed all but the last committed token, which the next step feeds
         catch_up = [t for t in tasks if t.k == 0 and len(feeds[t.slot]) > 1]
         live = [t for t in tasks if t.k > 0]
-        batch = [(t.slot, feeds[t.slot]) for t in live] + [(t.slot, feeds[t.slot][:-1]) for t in catch_up]
+        batch = [(t.slot, feeds[t.slot]) for t in live] + [(t.slot, feeds[t.slot][:-1][: t.limit]) for t in catch_up]
         drafted = level = 0
         while batch:
             slots = [slot for slot, _ in batch]

@@ -53,7 +53,7 @@ class ServiceConfig:
     draft_top_k: int = 64
     draft_quant: str = "auto"  # the draft's weights: int8, none, or auto (int8 for bf16 on a CPU), as in-process
     draft_window: int | None = None  # the draft takes in only a prompt's last N tokens (EngineConfig); None: off
-    prefill_chunk: int | None = 4096  # the most prompt tokens the target's prefills take in one step; None: no limit
+    prefill_chunk: int | None = 4096  # the most prompt tokens each model's prefills take in a step; None: no limit
     policy: str = DEFAULT_POLICY  # the initial policy; a user_config replaces it live
     num_threads: int | None = None  # torch threads in each model actor; None: the machine's cores
     draft_num_cpus: float = 1.0

@@ -1,6 +1,7 @@
 """Chunked prefill: a prompt longer than the step's prefill budget (EngineConfig.prefill_chunk) is fed to the target
-over several steps while the running requests decode in each, and nothing about any output changes: greedy outputs
-are target-only decoding's, sampled ones the same draws, and a scored prompt's log-probabilities one plain forward's."""
+over several steps while the running requests decode in each, and so is a speculating request's prompt to the draft.
+Nothing about any output changes: greedy outputs are target-only decoding's, sampled ones the same draws (where the
+draft's prefill fits the budget), and a scored prompt's log-probabilities one plain forward's."""
 
 from __future__ import annotations
 
@@ -64,11 +65,59 @@ def test_long_prompts_are_fed_in_chunks_while_the_others_decode(policy: str) -> 
         assert sum(r.stats.drafted for r in longs) > 0  # speculation runs once a prompt is in
 
 
-def test_sampled_outputs_draw_the_same_tokens_with_chunks() -> None:
-    """A chunk samples nothing, so each request's generator draws as it would with the whole prefill at once."""
+def _draft_feeds(engine) -> list[dict[int, int]]:
+    """Record the tokens each slot feeds in every draft forward."""
+    calls: list[dict[int, int]] = []
+    runner = engine.draft.runner
+    forward = runner.forward
+
+    def spy(slots, tokens, ns, **kw):
+        calls.append({slot: len(toks) for slot, toks in zip(slots, tokens, strict=True)})
+        return forward(slots, tokens, ns, **kw)
+
+    runner.forward = spy
+    return calls
+
+
+@pytest.mark.parametrize(("chunk", "window"), [(CHUNK, None), (CHUNK, 40), (None, None)])
+def test_a_drafts_prefill_is_fed_in_chunks_too(chunk: int | None, window: int | None) -> None:
+    """The draft takes in a long prompt at the request's first drafting step; its prefills share the same budget, so a
+    draft forward never holds more than a chunk of it while the others draft and decode, and the request drafts once
+    the rest fits. A windowed draft still starts at the window. Greedy outputs are target-only decoding's."""
+    plain = tiny_engine("off", batch=4, max_seq_len=512, prefill_chunk=None)
+    ref = [plain.add_request(p, SamplingParams(max_tokens=m)) for p, m in zip(SHORT[:2] + LONG, [80, 80, 24, 24],
+                                                                                strict=True)]
+    plain.run()
+    engine = tiny_engine("static:4", batch=4, max_seq_len=512, prefill_chunk=chunk, draft_window=window)
+    feeds = _draft_feeds(engine)
+    early = [engine.add_request(p, SamplingParams(max_tokens=80)) for p in SHORT[:2]]
+    engine.step()
+    longs = [engine.add_request(p, SamplingParams(max_tokens=24)) for p in LONG]
+    offsets = set()
+    while any(r.stats.drafted == 0 for r in longs):
+        before = [len(r.output_ids) for r in early]
+        engine.step()
+        assert all(len(r.output_ids) > n for r, n in zip(early, before, strict=True))  # each step, each of them
+        offsets |= {s.offset for r in longs if (s := engine.draft.slots.get(r.slot)) is not None and s.cached}
+    slots = {r.slot for r in longs}
+    engine.run()
+    most = max(sum(n for slot, n in call.items() if slot in slots) for call in feeds)
+    if chunk is None:  # without a budget a drafting forward takes in a whole prompt
+        assert most >= min(len(p) for p in LONG) - 1
+    else:  # a chunk, or the rest that fits and the last committed token
+        assert most <= chunk + 1
+    assert offsets == ({0} if window is None else {len(p) - 1 - window for p in LONG})
+    assert [r.output_ids for r in early + longs] == [r.output_ids for r in ref]
+
+
+@pytest.mark.parametrize(("policy", "window"), [("off", None), ("static:4", 16)])
+def test_sampled_outputs_draw_the_same_tokens_with_chunks(policy: str, window: int | None) -> None:
+    """A chunk samples nothing, so each request's generator draws as it would with the whole prefill at once. (Where a
+    draft prefill is over the budget too, the request proposes nothing until it is in: the same distribution, other
+    draws; a window of 16 keeps the draft's within the 17 here.)"""
     outs = []
     for chunk in (None, 17):
-        engine = tiny_engine("static:4", batch=4, max_seq_len=512, prefill_chunk=chunk)
+        engine = tiny_engine(policy, batch=4, max_seq_len=512, prefill_chunk=chunk, draft_window=window)
         reqs = [engine.add_request(p, SamplingParams(max_tokens=20, temperature=1.0, seed=i))
                 for i, p in enumerate(SHORT[:2] + LONG)]
         engine.run()
@@ -131,3 +180,42 @@ def test_a_target_lost_mid_chunks_prefills_again_and_nothing_changes(how: str) -
     assert [r.output_ids for r in got] == [r.output_ids for r in ref]
     assert [lp.logprob for lp in got[1].prompt_logprobs] == pytest.approx([lp.logprob for lp in ref[1].prompt_logprobs],
                                                                           abs=1e-5)
+
+
+@pytest.mark.parametrize("how", ["dies", "faults"])
+def test_a_draft_lost_mid_chunks_prefills_again_and_nothing_changes(how: str) -> None:
+    """The draft dies after its second chunk of the long prompt (its restart loses every cache) or raises on it: the
+    prompt reaches the draft again from its start, in chunks, and the greedy outputs are target-only decoding's."""
+    from dsde_core.models.runner import ModelRunner
+    from dsde_core.workers import DraftWorker
+    from tests.test_engine_recovery import Flaky
+    from tests.tiny import tiny_pair
+
+    plain = tiny_engine("off", batch=4, max_seq_len=512, prefill_chunk=None)
+    ref = [plain.add_request(p, SamplingParams(max_tokens=m)) for p, m in ((SHORT[0], 40), (LONG[0], 30))]
+    plain.run()
+    engine = tiny_engine("static:4", batch=4, max_seq_len=512, prefill_chunk=CHUNK, worker_probe_s=0.001)
+    draft = Flaky("draft", lambda: DraftWorker.from_config(ModelRunner(tiny_pair()[1], 4, 512), engine.config))
+    draft.restart_after_probes = 2
+    chunks: list[int] = []
+
+    def fault_if(name: str, args: tuple) -> bool:
+        if name != "propose" or not any(t.limit for t in args[0]):
+            return False
+        chunks.append(len(chunks))
+        if len(chunks) == 2 and how == "dies":
+            draft.kill()  # after this call: the next one finds it dead
+            return False
+        return len(chunks) == 2
+
+    draft.fault_if = fault_if
+    engine.draft = draft
+    got = [engine.add_request(p, SamplingParams(max_tokens=m)) for p, m in ((SHORT[0], 40), (LONG[0], 30))]
+    for _ in range(500):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert len(chunks) >= 2 + (len(LONG[0]) - 1) // CHUNK  # two before, all of them again after
+    assert draft.restarts == (how == "dies")
+    assert got[1].stats.drafted > 0
+    assert [r.output_ids for r in got] == [r.output_ids for r in ref]

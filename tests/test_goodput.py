@@ -217,6 +217,31 @@ def test_a_sequence_with_a_cold_draft_cache_waits_longest_for_its_first_probe() 
     assert ks == [0] * 30
 
 
+def test_a_cold_sequence_whose_draft_cache_fills_while_off_probes_as_a_warm_one() -> None:
+    """A draft prefill fed in chunks can finish while the sequence is off (its chunks ride along with the batch's draft
+    work): from then on there is no prefill to recoup, and it probes after probe_every plans, not probe_max."""
+    cfg = GoodputConfig(probe_every=4, probe_max=16)
+    pol = _taught_nothing_is_accepted(cfg)
+    ks = []
+    for i in range(cfg.probe_max):
+        seq = [SeqInfo("filled", 0.0, 8, draft_lag=100 if i < 2 else 0)]  # its draft cache is full from plan 2 on
+        plans = pol.plan(seq, CPU)
+        ks.append(plans[0].k)
+        _feed(pol, plans, seq, lambda k: 0, conf=0.2)
+    assert ks[0] == 0 and any(ks[: cfg.probe_max - 2])
+    # one whose own probe filled its draft cache keeps the doubled interval: its probes stay probe_max plans apart
+    ks, lag = [], 100
+    for _ in range(4 * cfg.probe_max):
+        seq = [SeqInfo("probed", 0.0, 8, draft_lag=lag)]
+        plans = pol.plan(seq, CPU)
+        ks.append(plans[0].k)
+        lag = 0 if plans[0].k else lag
+        _feed(pol, plans, seq, lambda k: 0, conf=0.2)
+    probes = [i for i, k in enumerate(ks) if k]
+    assert len(probes) >= 2 and probes[0] >= cfg.probe_max - 1
+    assert all(b - a >= cfg.probe_max for a, b in zip(probes, probes[1:], strict=False))
+
+
 def test_where_nothing_drafts_for_long_the_longest_row_probes_the_pool() -> None:
     """The all-off trap: every row off and every request too short for its cold probe, so nothing would time or
     judge the draft again. Every pool_probe_every plans without a drafting row, the row with the most tokens left

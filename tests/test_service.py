@@ -31,6 +31,7 @@ MODEL = "tiny"
 TINY_BATCH = 4
 TINY_SEQ_LEN = 512
 USER_CONFIG = {"policy": "dsde"}
+TINY_CHUNK = 48  # chunked prefill: the test prompts are shorter, a chat's history and the long prompts below longer
 REQUEST_TIMEOUT = 300.0
 
 
@@ -87,7 +88,7 @@ def tiny_app(cluster: Cluster, tiny_models: tuple[Path, Path]) -> App:
     target, draft = tiny_models
     args = {"draft": str(draft), "target": str(target), "model_name": MODEL, "dtype": "float32",
             "max_batch_size": TINY_BATCH, "max_seq_len": TINY_SEQ_LEN, "num_threads": 1,
-            "draft_num_cpus": 0, "target_num_cpus": 0}
+            "draft_num_cpus": 0, "target_num_cpus": 0, "prefill_chunk": TINY_CHUNK}
     app = App(f"http://127.0.0.1:{cluster.http_port}/tiny", args, "tiny", "/tiny")
     app.deploy(USER_CONFIG)
     return app
@@ -253,6 +254,28 @@ def test_echo_with_log_probabilities_scores_the_prompt(tiny_app: App, reference_
                                             stream=True))  # token ids, no logprobs: the ids decoded
     assert "".join(c.choices[0].text for c in chunks if c.choices) == decode(ids) + ref.text
     assert chunks[0].choices[0].text.startswith(decode(ids))
+
+
+def test_prompts_longer_than_the_prefill_chunk_through_the_actors(tiny_app: App,
+                                                                   reference_llm: SpeculativeLLM) -> None:
+    """Two prompts of several TINY_CHUNKs arrive while a short one decodes: their prefills reach the target and draft
+    actors in chunks, and every output, and the scored prompt's log-probabilities, are target-only decoding's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = tiny_app.client()
+    long = [" ".join((PROMPTS[i:] + PROMPTS[:i]) * 2) for i in (2, 9)]  # ~170 tokens each
+    assert all(len(reference_llm.encode(p, False)) > 3 * TINY_CHUNK for p in long)
+    [ref] = reference_llm.generate([long[0]], SamplingParams(max_tokens=2, logprobs=1, prompt_logprobs=1), policy="off")
+    with ThreadPoolExecutor(3) as pool:
+        short = pool.submit(client.completions.create, model=MODEL, prompt=PROMPTS[0], max_tokens=40, temperature=0)
+        time.sleep(0.5)
+        scored = pool.submit(client.completions.create, model=MODEL, prompt=long[0], max_tokens=2, temperature=0,
+                             logprobs=1, echo=True)
+        plain = pool.submit(client.completions.create, model=MODEL, prompt=long[1], max_tokens=30, temperature=0)
+        texts = [f.result(timeout=REQUEST_TIMEOUT).choices[0].text for f in (short, plain)]
+        lp = scored.result(timeout=REQUEST_TIMEOUT).choices[0].logprobs
+    assert texts == [_reference(reference_llm, PROMPTS[0], 40), _reference(reference_llm, long[1], 30)]
+    assert lp.token_logprobs[1:] == pytest.approx([x.logprob for x in ref.prompt_logprobs + ref.logprobs], abs=1e-4)
 
 
 def test_n_choices_through_the_openai_client(tiny_app: App, reference_llm: SpeculativeLLM) -> None:

@@ -59,7 +59,8 @@ engine's ride-along), except a probe (one speculative step) when it has been off
 interval doubling up to `probe_max` while probes keep it off; probes fall on plan numbers divisible by the interval
 (one counter for the batch), so they share draft forwards. A sequence whose draft cache is empty (draft_lag > 0: it
 never drafted, or the draft restarted) waits `probe_max` plans, and probes only with probe_max tokens left: its
-first draft step also prefills the draft with its whole context, which fewer tokens will not recoup.
+first draft step also prefills the draft with its whole context, which fewer tokens will not recoup. One whose draft
+cache fills while it is off (a draft prefill fed in chunks finishes riding along) probes at `probe_every` again.
 Where no row has drafted for `pool_probe_every` (256) plans, the row with the most tokens left drafts once all the
 same (the pool probe): with every row off and every request shorter than probe_max nothing
 else would time or judge the draft again, and a burst of other work on the machine that once made the draft look
@@ -208,6 +209,7 @@ class _State:
     on: bool = True
     off_since: int = 0
     probe_every: int = 0
+    cold: bool = False  # it went off with an empty draft cache (so it probes every probe_max plans)
     probing: bool = False
     last_k: int = 0
     steps: int = 0  # steps that drafted
@@ -284,14 +286,16 @@ class GoodputPolicy(SpeculationPolicy):
                 cold = seqs[i].draft_lag > 0  # the draft cache is empty (never drafted, or the draft restarted)
                 if st.on:  # a cold sequence probes only every probe_max plans: its first draft step also prefills
                     # the draft with its whole context
-                    st.on, st.off_since = False, self._plans
+                    st.on, st.off_since, st.cold = False, self._plans, cold
                     st.probe_every = cfg.probe_max if cold else cfg.probe_every
+                elif st.cold and not cold:  # its draft cache filled meanwhile: no prefill left to recoup
+                    st.cold, st.probe_every = False, cfg.probe_every
                 # probes fall on plan numbers divisible by the interval, so that the batch's probes share forwards; a
                 # cold sequence probes only with at least probe_max tokens left to recoup its prefill
                 st.probing = (self._plans - st.off_since >= st.probe_every and self._plans % st.probe_every == 0
                               and (not cold or seqs[i].remaining is None or seqs[i].remaining >= cfg.probe_max))
-                if st.probing:
-                    st.off_since = self._plans
+                if st.probing:  # a probe prefills a cold draft cache: its interval doubles all the same
+                    st.off_since, st.cold = self._plans, False
                     st.probe_every = min(2 * st.probe_every, cfg.probe_max)
                 else:
                     k = 0
@@ -305,7 +309,7 @@ class GoodputPolicy(SpeculationPolicy):
             # left drafts once, and the draft is timed and judged afresh
             i = max(rows, key=lambda j: (math.inf if seqs[j].remaining is None else seqs[j].remaining, -j))
             st = states[i]
-            st.probing, st.off_since, st.last_k = True, self._plans, ks[i]
+            st.probing, st.off_since, st.last_k, st.cold = True, self._plans, ks[i], False
             plans[i] = self._drafting(st, ks[i], stop, worth[i])
             self._drafted_at = self._plans
         return plans
