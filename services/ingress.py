@@ -530,7 +530,8 @@ class DSDEServer:
         asks = params[0].prompt_logprobs is not None
         reply = Reply(self.model, chat, sum(map(len, prompts)), n,
                       decode=None if params[0].logprobs is None else self._token_text, prompts=len(prompts),
-                      echoes=echoes, prompt_ids=prompts if asks else None, raw=self._token_bytes)
+                      echoes=echoes, prompt_ids=prompts if asks else None, raw=self._token_bytes,
+                      continuous_usage=body.continuous_usage)
         # each choice joins the engine's queue now (the queue bound above counts it at once)
         outputs = [self._track(self.aengine.submit(prompts[k // n], choice_params(params[k // n], k % n),
                                                    body.speculation.params(), reply.request_id(k)), reply, k)

@@ -113,6 +113,7 @@ class Reply:
     echoes: list[str] | None = None  # completions' echo: each prompt's text, which its choices' texts start with
     prompt_ids: list[list[int]] | None = None  # with an echo and logprobs: each prompt, whose log-probabilities lead
     raw: Callable[[int], bytes] | None = None  # a token's own bytes (chat's logprobs); None: its text's UTF-8
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: every stream chunk carries the usage so far
     choices: list[Choice] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
@@ -168,6 +169,8 @@ class Reply:
             out = {**self._head("text_completion"), "choices": [choice]}
         if last is not None and last.stats is not None:
             out["speculation"] = speculation_stats(last.stats)
+        if self.continuous_usage:
+            out["usage"] = self.usage()
         return out
 
     def usage_chunk(self) -> dict[str, Any]:

@@ -144,11 +144,18 @@ def test_streaming_completion_and_chat(tiny_app: App, reference_llm: Speculative
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finals) == 1 and finals[0].model_extra["speculation"]["steps"] > 0
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
 
     prompt = "Explain recursion in one sentence."
     stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
-                                            max_tokens=25, temperature=0, stream=True)
+                                            max_tokens=25, temperature=0, stream=True,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True})
     chunks = list(stream)
+    done = [c.usage.completion_tokens for c in chunks]  # vLLM's continuous usage: on every chunk, the tokens so far
+    last = chunks[-1].usage
+    assert done[0] == 0 and done == sorted(done) and done[-2] == done[-1] == last.total_tokens - last.prompt_tokens > 0
+    assert {c.usage.prompt_tokens for c in chunks} == {len(reference_llm.encode(prompt, chat=True))}
+    chunks = chunks[:-1]  # the usage chunk
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert text == _reference(reference_llm, prompt, 25, chat=True)

@@ -223,6 +223,22 @@ def test_response_shapes() -> None:
                                                "param": None}
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk() -> None:
+    """vLLM's stream_options.continuous_usage_stats: only with include_usage; then each chunk carries the usage of the
+    tokens recorded so far (the prompt counted once), the role chunk none of the completion's."""
+    asks = [({"include_usage": True, "continuous_usage_stats": True}, True),
+            ({"continuous_usage_stats": True}, False), ({"include_usage": True}, False), (None, False)]
+    for options, continuous in asks:
+        body = CompletionRequest(model="m", prompt="x", stream=True, stream_options=options)
+        assert body.continuous_usage is continuous
+    reply = Reply("m", chat=True, prompt_tokens=3, n=2, continuous_usage=True)
+    assert reply.chunk("", role=True)["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
+    reply.record(RequestOutput(reply.request_id(0), [5, 6], "hi"), 0)
+    reply.record(RequestOutput(reply.request_id(1), [7], "yo"), 1)
+    assert reply.chunk("yo", index=1)["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert "usage" not in Reply("m", chat=True, prompt_tokens=3).chunk("hi")
+
+
 def test_log_probabilities_in_openais_two_shapes() -> None:
     """Completions: tokens, token_logprobs, top_logprobs, text_offset (continued across chunks); chat: content
     entries with bytes; a chunk carries what was recorded since the last one; none without the ask."""
