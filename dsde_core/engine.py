@@ -278,14 +278,14 @@ class Engine:
                 continue
             context = r.draft_context(plan.k > 0, self.config.draft_window)  # a prefill's or a catch-up's
             fed, budget = self._draft_chunk(r, context, budget)
-            if fed == 0 < context:  # the step's draft prefills took the budget: it waits a step
+            chunk = fed < context  # a chunk of a prefill: only cached, nothing drafted this step
+            if chunk and fed == 0:  # the step's draft prefills took the budget: it waits a step
                 continue
-            k = plan.k if fed == context else 0  # a chunk of a prefill: only cached, nothing drafted this step
-            tasks.append(DraftTask(r.slot, r.tokens[r.synced_draft:], k, plan.min_confidence, plan.p_next,
-                                   plan.accept_model, plan.worth, limit=None if fed == context else fed))
+            tasks.append(DraftTask(r.slot, r.tokens[r.synced_draft:], 0 if chunk else plan.k, plan.min_confidence,
+                                   plan.p_next, plan.accept_model, plan.worth, limit=fed if chunk else None))
             reqs.append(r)
             self._draft_context += fed
-            self._draft_chunked |= fed < context
+            self._draft_chunked |= chunk
             r.synced_draft, r.draft_gap = r.num_tokens, context - fed
         if not tasks:
             return {}
