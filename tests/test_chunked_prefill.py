@@ -61,7 +61,7 @@ def test_long_prompts_are_fed_in_chunks_while_the_others_decode(policy: str) -> 
     assert [r.output_ids for r in early + longs] == [r.output_ids for r in ref]  # greedy: the same tokens
     if policy == "off":
         assert all(r.stats.steps == len(r.output_ids) for r in longs)  # a chunk is not a step of the request
-    else:
+    elif policy != "dsde-goodput":  # (the cost-aware policy drafts where the step times it measures say it pays)
         assert sum(r.stats.drafted for r in longs) > 0  # speculation runs once a prompt is in
 
 
