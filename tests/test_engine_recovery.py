@@ -307,6 +307,35 @@ def test_sampling_survives_both_workers_failing() -> None:
     _assert_all_freed(engine, parties)
 
 
+def test_a_seeded_slot_opened_again_after_output_does_not_replay_its_first_draws() -> None:
+    """T > 0: a restarted worker opens a seeded request's slot with a seed derived from the request's and its output's
+    length, so the draws after the restart are not the first steps' again (the target restarts at verify 4, the draft
+    at propose 3: each reopens every slot). Before any output a slot draws from the request's own seed."""
+    from dsde_core.sampling import make_generator
+
+    engine, parties = _engine("static:4")
+    parties["draft"].kill_at = ("propose", 3)
+    parties["draft"].restart_after_probes = 2
+    parties["target"].kill_at = ("verify", 4)
+    parties["target"].restart_after_probes = 2
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=30, temperature=1.0, seed=i)) for i, p in
+            enumerate(PROMPTS[:2])]
+    seeds: dict[str, set[int]] = {"draft": set(), "target": set()}
+    for _ in range(2000):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+        for role, party in parties.items():
+            if role != "policy" and not party.dead:
+                seeds[role] |= {(i, party.inner.slots[r.slot].gen.initial_seed()) for i, r in enumerate(reqs)
+                                if r.slot in party.inner.slots}
+    assert engine.health["draft"].recoveries == engine.health["target"].recoveries == 1
+    for role, worker in (("draft", DraftWorker), ("target", TargetWorker)):
+        own = {(i, make_generator(i, worker.stream).initial_seed()) for i in range(len(reqs))}
+        assert own < seeds[role] and len(seeds[role]) == 2 * len(reqs), role  # each: its own seed, then another
+    assert all(len(r.output_ids) == 30 for r in reqs)
+
+
 def test_state_reports_counts_and_health() -> None:
     engine, parties = _engine()
     engine.add_request(PROMPTS[0], SamplingParams(max_tokens=30))
