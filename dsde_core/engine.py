@@ -32,13 +32,13 @@ DRAFT_TRIES = 2  # a request goes on target-only after the draft raised on it al
 
 
 class DraftAPI(Protocol):
-    def open(self, slot: int, params: SamplingParams, prompt_len: int = 0) -> None: ...
+    def open(self, slot: int, params: SamplingParams, prompt_len: int = 0, emitted: int = 0) -> None: ...
     def release(self, slot: int) -> None: ...
     def propose(self, tasks: list[DraftTask]) -> list[Proposal]: ...
 
 
 class TargetAPI(Protocol):
-    def open(self, slot: int, params: SamplingParams, prompt_len: int = 0) -> None: ...
+    def open(self, slot: int, params: SamplingParams, prompt_len: int = 0, emitted: int = 0) -> None: ...
     def release(self, slot: int) -> None: ...
     def verify(self, tasks: list[VerifyTask]) -> list[Verdict]: ...
 
@@ -524,19 +524,9 @@ class Engine:
         if self.health[role].down:
             return  # opened by _recover when the worker is back
         try:
-            worker.open(r.slot, self._slot_params(r), len(r.prompt_ids))
+            worker.open(r.slot, r.params, len(r.prompt_ids), len(r.output_ids))
         except self._survivable(role) as e:
             self._failed(role, e)
-
-    @staticmethod
-    def _slot_params(r: Request) -> SamplingParams:
-        """r's sampling parameters for a worker's slot. A seeded request's slot opened again after it emitted tokens (a
-        worker restarted or raised) draws from a seed derived from its own and its output's length: from its own, the
-        draws after the restart would replay the first steps' random numbers, correlating its later tokens with its
-        first. A fresh slot draws from the request's seed, so a seed gives the same tokens on every run."""
-        if r.params.seed is None or not r.output_ids:
-            return r.params
-        return replace(r.params, seed=hash((r.params.seed, len(r.output_ids))) % (1 << 63))
 
     def _release(self, role: str, party: Any, key: int | str) -> None:
         """Release a slot (a request id for the policy); deferred to _recover while the party is down."""
@@ -588,7 +578,7 @@ class Engine:
                     party.release(key)
                 if role != "policy":  # a restarted policy rebuilds per-request state on its next plan
                     for r in self.running:
-                        party.open(r.slot, self._slot_params(r), len(r.prompt_ids))
+                        party.open(r.slot, r.params, len(r.prompt_ids), len(r.output_ids))
                         if role == "draft":
                             r.synced_draft = 0
                         else:

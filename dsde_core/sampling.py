@@ -19,13 +19,17 @@ def signal_temperature(params: SamplingParams) -> float:
     return params.temperature if params.temperature > 0 else 1.0
 
 
-def make_generator(seed: int | None, stream: int, device: str = "cpu") -> torch.Generator:
-    """A per-request generator; draft and target draw from different streams of the same seed."""
+def make_generator(seed: int | None, stream: int, device: str = "cpu", emitted: int = 0) -> torch.Generator:
+    """A per-request generator; draft and target draw from different streams of the same seed. A slot opened again
+    after the request emitted tokens (a worker restarted or raised) starts a stream of its own: from the seed's first,
+    the draws after the restart would repeat the first steps' random numbers and tie the later tokens to the first."""
     gen = torch.Generator(device=device)
     if seed is None:
         gen.seed()
-    else:
+    elif emitted == 0:
         gen.manual_seed((seed * 1_000_003 + stream) % (1 << 63))
+    else:
+        gen.manual_seed(hash((seed, stream, emitted)) % (1 << 63))
     return gen
 
 

@@ -123,9 +123,12 @@ class _Worker:
         self.slots: dict[int, _Slot] = {}
         self.window = window  # an empty cache takes in at most the last `window` tokens (the draft's; never the target)
 
-    def open(self, slot: int, params: SamplingParams, prompt_len: int = 0) -> None:
+    def open(self, slot: int, params: SamplingParams, prompt_len: int = 0, emitted: int = 0) -> None:
+        """An empty slot for a request with a prompt of prompt_len tokens that has emitted `emitted` (a reopened slot's
+        seeded draws start a stream of their own: make_generator)."""
         self.runner.set_length(slot, 0)
-        self.slots[slot] = _Slot(params, make_generator(params.seed, self.stream), prompt_len=prompt_len)
+        self.slots[slot] = _Slot(params, make_generator(params.seed, self.stream, emitted=emitted),
+                                 prompt_len=prompt_len)
 
     def release(self, slot: int) -> None:
         self.slots.pop(slot, None)

@@ -71,8 +71,8 @@ class DraftHost(_ModelHost):
         self.worker = DraftWorker(self.runner, top_k, window=window)  # as the engine's config, which prices it
         transport.register()  # proposals leave this process packed (services/transport.py)
 
-    def open(self, slot: int, params: SamplingParams, prompt_len: int = 0) -> None:
-        self.worker.open(slot, params, prompt_len)
+    def open(self, slot: int, params: SamplingParams, prompt_len: int = 0, emitted: int = 0) -> None:
+        self.worker.open(slot, params, prompt_len, emitted)
 
     def release(self, slot: int) -> None:
         self.worker.release(slot)
@@ -90,8 +90,8 @@ class TargetHost(_ModelHost):
         super().__init__(source, dtype, device, max_batch_size, max_seq_len, num_threads)
         self.worker = TargetWorker(self.runner)
 
-    def open(self, slot: int, params: SamplingParams, prompt_len: int = 0) -> None:
-        self.worker.open(slot, params, prompt_len)
+    def open(self, slot: int, params: SamplingParams, prompt_len: int = 0, emitted: int = 0) -> None:
+        self.worker.open(slot, params, prompt_len, emitted)
 
     def release(self, slot: int) -> None:
         self.worker.release(slot)

@@ -83,8 +83,8 @@ class _ActorCalls:
 class DraftProxy(_ActorCalls):
     role = "draft"
 
-    def open(self, slot: int, params: SamplingParams, prompt_len: int = 0) -> None:
-        self._get(self.actor.open.remote(slot, params, prompt_len))
+    def open(self, slot: int, params: SamplingParams, prompt_len: int = 0, emitted: int = 0) -> None:
+        self._get(self.actor.open.remote(slot, params, prompt_len, emitted))
 
     def release(self, slot: int) -> None:
         self._get(self.actor.release.remote(slot))
@@ -99,8 +99,8 @@ class DraftProxy(_ActorCalls):
 class TargetProxy(_ActorCalls):
     role = "target"
 
-    def open(self, slot: int, params: SamplingParams, prompt_len: int = 0) -> None:
-        self._get(self.actor.open.remote(slot, params, prompt_len))
+    def open(self, slot: int, params: SamplingParams, prompt_len: int = 0, emitted: int = 0) -> None:
+        self._get(self.actor.open.remote(slot, params, prompt_len, emitted))
 
     def release(self, slot: int) -> None:
         self._get(self.actor.release.remote(slot))

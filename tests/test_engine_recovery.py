@@ -308,9 +308,10 @@ def test_sampling_survives_both_workers_failing() -> None:
 
 
 def test_a_seeded_slot_opened_again_after_output_does_not_replay_its_first_draws() -> None:
-    """T > 0: a restarted worker opens a seeded request's slot with a seed derived from the request's and its output's
-    length, so the draws after the restart are not the first steps' again (the target restarts at verify 4, the draft
-    at propose 3: each reopens every slot). Before any output a slot draws from the request's own seed."""
+    """T > 0: a restarted worker opens a seeded request's slot with a generator seeded from the request's seed and its
+    output's length, so the draws after the restart are not the first steps' again (the target restarts at verify 4,
+    the draft at propose 3: each reopens every slot). Before any output a slot draws from the request's own seed, and
+    the slot's parameters keep it."""
     from dsde_core.sampling import make_generator
 
     engine, parties = _engine("static:4")
@@ -334,6 +335,7 @@ def test_a_seeded_slot_opened_again_after_output_does_not_replay_its_first_draws
         own = {(i, make_generator(i, worker.stream).initial_seed()) for i in range(len(reqs))}
         assert own < seeds[role] and len(seeds[role]) == 2 * len(reqs), role  # each: its own seed, then another
     assert all(len(r.output_ids) == 30 for r in reqs)
+    assert [r.params.seed for r in reqs] == [0, 1]
 
 
 def test_state_reports_counts_and_health() -> None:
