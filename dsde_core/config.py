@@ -47,7 +47,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()  # tokens that end the request as an eos does (dropped, unless the next)
+    stop_token_ids: tuple[int, ...] = ()  # end the request as an eos does (dropped unless the next field keeps them)
     include_stop_str_in_output: bool = False  # vLLM's: the stop string or stop_token_ids token that ended it is kept
     min_tokens: int = 0  # the end-of-sequence and stop_token_ids are held off until the output has this many tokens
     logprobs: int | None = None  # None: none; n: each output token's log-probability and the n likeliest (sampling.py)

@@ -31,6 +31,15 @@ TARGET_TRIES = 2  # a request ends after the target raised on it alone this many
 DRAFT_TRIES = 2  # a request goes on target-only after the draft raised on it alone this many times in a row
 
 
+def _share(need: int, budget: int | None) -> tuple[int, int | None]:
+    """Chunked prefill's rule, for the target's prefills and the draft's: (the tokens of `need` a prefill takes in this
+    step, the step's budget left). All of them where they fit (None: no limit), else the budget's rest."""
+    if budget is None:
+        return need, None
+    fed = min(need, budget)
+    return fed, budget - fed
+
+
 class DraftAPI(Protocol):
     def open(self, slot: int, params: SamplingParams, prompt_len: int = 0, emitted: int = 0) -> None: ...
     def release(self, slot: int) -> None: ...
@@ -218,19 +227,15 @@ class Engine:
         is fed the budget's rest and sits out the plan, the draft and the commit; later ones wait a step. Decoding rows
         always run, so a long prompt never stalls them for more than one chunk."""
         budget = self.config.prefill_chunk
-        if budget is None:
-            return rows, []
         whole: list[Request] = []
         chunks: list[tuple[Request, int]] = []
         for r in rows:
-            if not self._prefilling(r):
+            need = self._pending(r) if self._prefilling(r) else 0  # a decoding row is outside the budget
+            fed, budget = _share(need, budget)
+            if fed == need:
                 whole.append(r)
-            elif (need := self._pending(r)) <= budget:
-                whole.append(r)
-                budget -= need
-            elif budget > 0:
-                chunks.append((r, budget))
-                budget = 0
+            elif fed > 0:
+                chunks.append((r, fed))
         return whole, chunks
 
     def _observe_costs(self, pending: list[int], proposals: dict[str, Proposal], draft_s: float,
@@ -260,7 +265,10 @@ class Engine:
         if self.draft is None or self.health["draft"].down:
             return {}
         tasks, reqs = [], []
-        budget = self.config.prefill_chunk  # the draft's prefills share one too (_draft_chunk)
+        # chunked prefill for the draft: in row order, its prefills share config.prefill_chunk tokens as the target's
+        # do; one over the budget takes the rest as a chunk and proposes nothing until what is left fits. A prompt
+        # still reaches the draft only when its request first drafts: a request that never speculates never pays.
+        budget = self.config.prefill_chunk
         drafting = any(p.k > 0 for p in plans.values())
         alone = self._draft_alone
         for r in rows if alone is None else [alone]:
@@ -277,7 +285,7 @@ class Engine:
             if not (plan.k > 0 or ride or self.config.draft_catch_up or r is alone):  # a suspect is tried at k = 0
                 continue
             context = r.draft_context(plan.k > 0, self.config.draft_window)  # a prefill's or a catch-up's
-            fed, budget = self._draft_chunk(r, context, budget)
+            fed, budget = _share(context, budget) if r.draft_prefilling else (context, budget)
             chunk = fed < context  # a chunk of a prefill: only cached, nothing drafted this step
             if chunk and fed == 0:  # the step's draft prefills took the budget: it waits a step
                 continue
@@ -302,17 +310,6 @@ class Engine:
         if alone is not None:  # it passed
             self._draft_suspects.pop(alone.req_id, None)
         return {r.req_id: p for r, p in zip(reqs, proposals, strict=True) if p.tokens}
-
-    @staticmethod
-    def _draft_chunk(r: Request, context: int, budget: int | None) -> tuple[int, int | None]:
-        """Chunked prefill for the draft: (context tokens the draft takes in for r this step, the budget left). In row
-        order, the draft's prefills share config.prefill_chunk tokens as the target's do; one that does not fit takes
-        the budget's rest as a chunk and proposes nothing until the rest fits. A prompt still reaches the draft only
-        when its request first drafts, so a request that never speculates never pays for it."""
-        if budget is None or not r.draft_prefilling:
-            return context, budget
-        fed = min(context, budget)
-        return fed, budget - fed
 
     def _verify_task(self, r: Request, proposal: Proposal | None, chunk: int | None = None) -> VerifyTask:
         """r's tokens for the target: all it has not been fed, or with `chunk` that many of a prefill's (no proposal;
