@@ -242,6 +242,31 @@ def test_a_cold_sequence_whose_draft_cache_fills_while_off_probes_as_a_warm_one(
     assert all(b - a >= cfg.probe_max for a, b in zip(probes, probes[1:], strict=False))
 
 
+def test_a_probe_whose_draft_prefill_is_chunked_goes_on_until_it_drafts() -> None:
+    """The engine feeds a long draft prefill in chunks (EngineConfig.prefill_chunk): a probe of a cold sequence then
+    proposes nothing for a few steps. The probe goes on, plan after plan, until the sequence has drafted once; then it
+    is off again, and its next probe comes probe_max plans after the first began (the interval doubled once)."""
+    cfg = GoodputConfig(probe_every=4, probe_max=16)
+    pol = _taught_nothing_is_accepted(cfg)
+    ks, lag, chunk = [], 100, 40  # the draft takes in 40 context tokens a step; the rest, then drafts, once it fits
+    for _ in range(4 * cfg.probe_max):
+        seq = [SeqInfo("chunked", 0.0, 8, draft_lag=lag)]
+        plans = pol.plan(seq, CPU)
+        k = plans[0].k
+        ks.append(k)
+        if k and lag > chunk:  # a chunk: cached, nothing proposed
+            lag -= chunk
+            pol.observe([StepFeedback("chunked", k, 0, 0)])
+        else:
+            lag = 0 if k else lag
+            _feed(pol, plans, seq, lambda k: 0, conf=0.2)
+    first = next(i for i, k in enumerate(ks) if k)
+    assert ks[first: first + 4] == [8, 8, 8, 0]  # two chunks, then the rest and a draft; then off
+    probes = [i for i, k in enumerate(ks) if k and not ks[i - 1]]
+    assert len(probes) >= 3 and all(ks[i + 1] == 0 for i in probes[1:])  # warm now: one plan each
+    assert all(b - a == cfg.probe_max for a, b in zip(probes, probes[1:], strict=False))
+
+
 def test_where_nothing_drafts_for_long_the_longest_row_probes_the_pool() -> None:
     """The all-off trap: every row off and every request too short for its cold probe, so nothing would time or
     judge the draft again. Every pool_probe_every plans without a drafting row, the row with the most tokens left

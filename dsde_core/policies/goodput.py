@@ -61,6 +61,9 @@ interval doubling up to `probe_max` while probes keep it off; probes fall on pla
 never drafted, or the draft restarted) waits `probe_max` plans, and probes only with probe_max tokens left: its
 first draft step also prefills the draft with its whole context, which fewer tokens will not recoup. One whose draft
 cache fills while it is off (a draft prefill fed in chunks finishes riding along) probes at `probe_every` again.
+A probe whose draft prefill the engine feeds in chunks (EngineConfig.prefill_chunk) proposes nothing in those steps:
+it goes on, one plan after another, until the sequence has drafted once (`_State.warming`), and its interval doubles
+only once.
 Where no row has drafted for `pool_probe_every` (256) plans, the row with the most tokens left drafts once all the
 same (the pool probe): with every row off and every request shorter than probe_max nothing
 else would time or judge the draft again, and a burst of other work on the machine that once made the draft look
@@ -211,6 +214,7 @@ class _State:
     probe_every: int = 0
     cold: bool = False  # it went off with an empty draft cache (so it probes every probe_max plans)
     probing: bool = False
+    warming: bool = False  # a probe began with a cold draft cache and has not drafted yet (its prefill is chunked)
     last_k: int = 0
     steps: int = 0  # steps that drafted
 
@@ -291,13 +295,15 @@ class GoodputPolicy(SpeculationPolicy):
                 elif st.cold and not cold:  # its draft cache filled meanwhile: no prefill left to recoup
                     st.cold, st.probe_every = False, cfg.probe_every
                 # probes fall on plan numbers divisible by the interval, so that the batch's probes share forwards; a
-                # cold sequence probes only with at least probe_max tokens left to recoup its prefill
-                st.probing = (self._plans - st.off_since >= st.probe_every and self._plans % st.probe_every == 0
-                              and (not cold or seqs[i].remaining is None or seqs[i].remaining >= cfg.probe_max))
-                if st.probing:  # a probe prefills a cold draft cache: its interval doubles all the same
-                    st.off_since, st.cold = self._plans, False
+                # cold sequence probes only with at least probe_max tokens left to recoup its prefill. A probe whose
+                # draft prefill is fed in chunks proposed nothing yet: it goes on (observe ends it once it drafts)
+                st.probing = st.warming or (
+                    self._plans - st.off_since >= st.probe_every and self._plans % st.probe_every == 0
+                    and (not cold or seqs[i].remaining is None or seqs[i].remaining >= cfg.probe_max))
+                if st.probing and not st.warming:  # a new probe (one that prefills a cold cache too) doubles it
+                    st.off_since, st.cold, st.warming = self._plans, False, cold
                     st.probe_every = min(2 * st.probe_every, cfg.probe_max)
-                else:
+                elif not st.probing:
                     k = 0
             st.last_k = k
             plans.append(self._drafting(st, k, stop, worth[i]) if k > 0 else Plan(0))
@@ -310,6 +316,7 @@ class GoodputPolicy(SpeculationPolicy):
             i = max(rows, key=lambda j: (math.inf if seqs[j].remaining is None else seqs[j].remaining, -j))
             st = states[i]
             st.probing, st.off_since, st.last_k, st.cold = True, self._plans, ks[i], False
+            st.warming = seqs[i].draft_lag > 0
             plans[i] = self._drafting(st, ks[i], stop, worth[i])
             self._drafted_at = self._plans
         return plans
@@ -322,9 +329,9 @@ class GoodputPolicy(SpeculationPolicy):
         self._observe_speedup(feedback)
         for fb in feedback:
             st = self._states.get(fb.req_id)
-            if st is None or fb.proposed == 0:
+            if st is None or fb.proposed == 0:  # nothing drafted (a chunk of the draft's prefill, or a draft fault)
                 continue
-            st.steps += 1
+            st.steps, st.warming = st.steps + 1, False
             # the pooled start counts as start_weight steps, then decay rho; a probe counts for half: after a time off
             # it is the freshest evidence there is
             rate = running_rate(st.steps, cfg.start_weight, 0.5 if st.probing else 1 - cfg.rho)
