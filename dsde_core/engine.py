@@ -87,8 +87,9 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.step_log: deque[StepRecord] = deque(maxlen=4096)
         self.costs = OnlineCostModel()  # learnt from this engine's decode steps; cost-aware policies plan with it
-        self._draft_rows = self._draft_context = 0
-        self._draft_chunked = False
+        self._draft_rows = self._draft_context = self._draft_chunks = 0
+        # chunks of prefills over the step's budget (config.prefill_chunk) each model was fed, since the start
+        self.prefill_chunks = {"target": 0, "draft": 0}
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()  # add_request / cancel may come from other threads
         self.health = {role: WorkerHealth(role) for role in ROLES}  # see dsde_core.recovery and _recover
@@ -166,7 +167,7 @@ class Engine:
         t1 = time.perf_counter()
         proposals = self._propose(rows, plans)
         t2 = time.perf_counter()
-        prefill = bool(chunks) or self._draft_chunked or any(self._prefilling(r) for r in rows)  # a prompt is fed
+        prefill = bool(chunks or self._draft_chunks) or any(self._prefilling(r) for r in rows)  # a prompt is fed
         pending = [self._pending(r) for r in rows] + [n for _, n in chunks]
         contexts = [r.num_tokens for r in rows]
         tasks = [self._verify_task(r, proposals.get(r.req_id)) for r in rows]
@@ -181,6 +182,7 @@ class Engine:
             return outputs + self._target_fault(fed, e)
         for r in fed:
             self._suspects.pop(r.req_id, None)
+        self.prefill_chunks["target"] += len(chunks)
         for (r, _), v in zip(chunks, verdicts[len(rows) :], strict=True):
             r.scored += v.prompt_logprobs or []
         verdicts = verdicts[: len(rows)]
@@ -260,8 +262,8 @@ class Engine:
         return max(0, min(self.config.max_sl, per_request, r.remaining() - 1))
 
     def _propose(self, rows: list[Request], plans: dict[str, Plan]) -> dict[str, Proposal]:
-        self._draft_rows = self._draft_context = 0  # rows and context tokens of the draft call (for the cost model)
-        self._draft_chunked = False  # a draft prefill was fed a chunk
+        # rows and context tokens of the draft call (for the cost model), and its rows fed a chunk of a prefill
+        self._draft_rows = self._draft_context = self._draft_chunks = 0
         if self.draft is None or self.health["draft"].down:
             return {}
         tasks, reqs = [], []
@@ -293,7 +295,7 @@ class Engine:
                                    plan.p_next, plan.accept_model, plan.worth, limit=fed if chunk else None))
             reqs.append(r)
             self._draft_context += fed
-            self._draft_chunked |= chunk
+            self._draft_chunks += chunk
             r.synced_draft, r.draft_gap = r.num_tokens, context - fed
         if not tasks:
             return {}
@@ -309,6 +311,7 @@ class Engine:
             return {}
         if alone is not None:  # it passed
             self._draft_suspects.pop(alone.req_id, None)
+        self.prefill_chunks["draft"] += self._draft_chunks
         return {r.req_id: p for r, p in zip(reqs, proposals, strict=True) if p.tokens}
 
     def _verify_task(self, r: Request, proposal: Proposal | None, chunk: int | None = None) -> VerifyTask:
@@ -617,6 +620,7 @@ class Engine:
                 "tried_alone": len(self._suspects),  # requests of a batch the target raised on (_target_fault)
                 "draft_tried_alone": len(self._draft_suspects),  # of a draft call that raised (_draft_fault)
                 "draft_off": sum(r.draft_off for r in self.running),  # target-only after draft faults alone
+                "prefill_chunks": dict(self.prefill_chunks),  # fed to each model since the start (prefill_chunk)
                 "workers": {role: h.as_dict() for role, h in self.health.items() if role != "draft" or self.draft}}
 
     # ---- convenience --------------------------------------------------------------------------------

@@ -339,6 +339,7 @@ class DSDEServer:
         e = self.engine
         health = {role: h for role, h in e.health.items() if role != "draft" or e.draft}
         self.metrics.on_workers({r: not h.down for r, h in health.items()}, {r: h.failures for r, h in health.items()})
+        self.metrics.on_prefill_chunks(dict(e.prefill_chunks))
         return len(e.running), len(e.waiting), e.config.max_batch_size - len(e.free_slots)
 
     def _on_recovered(self, role: str) -> None:

@@ -34,6 +34,8 @@ METRICS: list[tuple[str, str, str, tuple[str, ...], list[float] | None]] = [
      ("worker",), None),
     ("dsde_worker_failures", "counter", "Times the engine lost a worker (draft, target, policy) or the worker raised "
      "an error; exported from the first one on", ("worker",), None),
+    ("dsde_prefill_chunks", "counter", "Chunks of prompts over a step's prefill budget (prefill_chunk) fed to a model "
+     "(target, draft); exported from the first one on", ("worker",), None),
     ("dsde_cost_verify_seconds", "gauge", "Step-cost model: target verification of the batch with no draft tokens",
      (), None),
     ("dsde_cost_verify_per_token_seconds", "gauge", "Step-cost model: added per draft token verified", (), None),
@@ -93,7 +95,7 @@ class ServiceMetrics:
                 self.m[name] = rm.Histogram(name, desc, boundaries=buckets, tag_keys=keys)
             self.m[name].set_default_tags(self.tags)
         self._gauges: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}  # last value of each gauge series
-        self._failures: dict[str, int] = {}  # the engine's worker failures already counted
+        self._counted: dict[str, dict[str, int]] = {}  # per counter fed from the engine's totals: what it counted
 
     def _set(self, name: str, value: float, **tags: str) -> None:
         self._gauges[name, tuple(sorted(tags.items()))] = value
@@ -144,11 +146,19 @@ class ServiceMetrics:
         time shorter than a scrape interval shows in the counter, not in the gauge)."""
         for role, ok in up.items():
             self._set("dsde_worker_up", 1 if ok else 0, worker=role)
-        for role, n in failures.items():
-            seen = self._failures.get(role, 0)
-            if n > seen:
-                self._inc("dsde_worker_failures", n - seen, worker=role)
-                self._failures[role] = n
+        self._count_up("dsde_worker_failures", failures)
+
+    def on_prefill_chunks(self, chunks: dict[str, int]) -> None:
+        """The chunks of prefills each model was fed so far (the engine's count)."""
+        self._count_up("dsde_prefill_chunks", chunks)
+
+    def _count_up(self, name: str, totals: dict[str, int]) -> None:
+        """A counter by worker fed from the engine's running totals: it grows by what is new."""
+        counted = self._counted.setdefault(name, {})
+        for role, n in totals.items():
+            if n > counted.get(role, 0):
+                self._inc(name, n - counted.get(role, 0), worker=role)
+                counted[role] = n
 
     def on_costs(self, costs: StepCosts) -> None:
         """The engine's online step-cost model at the current batch size (what cost-aware policies plan with)."""

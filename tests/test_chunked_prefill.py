@@ -57,7 +57,7 @@ def test_long_prompts_are_fed_in_chunks_while_the_others_decode(policy: str) -> 
     assert steps >= sum(len(p) for p in LONG) // CHUNK  # the long prompts took that many steps
     engine.run()
     assert max(_prefilled(tasks) for tasks in calls) <= CHUNK
-    assert any(t.partial for tasks in calls for t in tasks)
+    assert engine.prefill_chunks["target"] == sum(t.partial for tasks in calls for t in tasks) > 0  # the count
     assert [r.output_ids for r in early + longs] == [r.output_ids for r in ref]  # greedy: the same tokens
     if policy == "off":
         assert all(r.stats.steps == len(r.output_ids) for r in longs)  # a chunk is not a step of the request
@@ -104,8 +104,13 @@ def test_a_drafts_prefill_is_fed_in_chunks_too(chunk: int | None, window: int | 
     most = max(sum(n for slot, n in call.items() if slot in slots) for call in feeds)
     if chunk is None:  # without a budget a drafting forward takes in a whole prompt
         assert most >= min(len(p) for p in LONG) - 1
+        assert engine.prefill_chunks["draft"] == 0
     else:  # a chunk, or the rest that fits and the last committed token
         assert most <= chunk + 1
+        # (the engine's count, exported as ray_dsde_prefill_chunks_total) each prompt's context over the budget
+        # took a chunk a step before its rest fitted
+        contexts = [len(p) - 1 if window is None else window for p in LONG]
+        assert engine.prefill_chunks["draft"] >= sum(-(-c // chunk) - 1 for c in contexts) > 0
     assert offsets == ({0} if window is None else {len(p) - 1 - window for p in LONG})
     assert [r.output_ids for r in early + longs] == [r.output_ids for r in ref]
 

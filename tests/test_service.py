@@ -263,13 +263,15 @@ def test_echo_with_log_probabilities_scores_the_prompt(tiny_app: App, reference_
     assert chunks[0].choices[0].text.startswith(decode(ids))
 
 
-def test_prompts_longer_than_the_prefill_chunk_through_the_actors(tiny_app: App,
+def test_prompts_longer_than_the_prefill_chunk_through_the_actors(tiny_app: App, cluster: Cluster,
                                                                    reference_llm: SpeculativeLLM) -> None:
     """Two prompts of several TINY_CHUNKs arrive while a short one decodes: their prefills reach the target and draft
-    actors in chunks, and every output, and the scored prompt's log-probabilities, are target-only decoding's."""
+    actors in chunks (counted in /admin/state and exported as ray_dsde_prefill_chunks_total), and every output, and
+    the scored prompt's log-probabilities, are target-only decoding's."""
     from concurrent.futures import ThreadPoolExecutor
 
     client = tiny_app.client()
+    before = json.loads(http_get(f"{tiny_app.base}/admin/state")[1])["prefill_chunks"]
     long = [" ".join((PROMPTS[i:] + PROMPTS[:i]) * 2) for i in (2, 9)]  # ~170 tokens each
     assert all(len(reference_llm.encode(p, False)) > 3 * TINY_CHUNK for p in long)
     [ref] = reference_llm.generate([long[0]], SamplingParams(max_tokens=2, logprobs=1, prompt_logprobs=1), policy="off")
@@ -283,6 +285,18 @@ def test_prompts_longer_than_the_prefill_chunk_through_the_actors(tiny_app: App,
         lp = scored.result(timeout=REQUEST_TIMEOUT).choices[0].logprobs
     assert texts == [_reference(reference_llm, PROMPTS[0], 40), _reference(reference_llm, long[1], 30)]
     assert lp.token_logprobs[1:] == pytest.approx([x.logprob for x in ref.prompt_logprobs + ref.logprobs], abs=1e-4)
+    # each prompt is over 3 chunks: 3 chunks each to the target; to the draft at least the plain one's (it drafts)
+    after = json.loads(http_get(f"{tiny_app.base}/admin/state")[1])["prefill_chunks"]
+    assert after["target"] - before["target"] >= 6 and after["draft"] - before["draft"] >= 3, (before, after)
+
+    def exported() -> dict[str, float]:
+        _, text = http_get(f"http://127.0.0.1:{cluster.metrics_port}/metrics")
+        return {w: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("ray_dsde_prefill_chunks_total") and f'worker="{w}"' in line
+                       and f'model="{MODEL}"' in line) for w in after}
+
+    wait_for(lambda: all(exported()[w] >= after[w] for w in after), 90, interval=1,
+             what="the prefill chunks in the metrics")
 
 
 def test_n_choices_through_the_openai_client(tiny_app: App, reference_llm: SpeculativeLLM) -> None:
@@ -531,8 +545,9 @@ def test_metrics_are_exported_with_the_documented_names(tiny_app: App, cluster: 
     client.completions.create(model=MODEL, prompt="hi", max_tokens=4, extra_body={"speculation": {"enabled": False}})
     http_post(f"{tiny_app.v1}/completions", {"model": MODEL, "prompt": "hi", "n": 0})  # an error to count
     expected = {exported_name(name, kind) + ("_bucket" if kind == "histogram" else "")
-                for name, kind, *_ in METRICS if name != "dsde_worker_failures"}  # from a first failure on:
-    # tests/test_reliability.py checks it
+                for name, kind, *_ in METRICS if name not in ("dsde_worker_failures", "dsde_prefill_chunks")}
+    # those two are exported from a first failure or chunk on: tests/test_reliability.py checks the failures, and
+    # test_prompts_longer_than_the_prefill_chunk_through_the_actors the chunks
 
     seen: set[str] = set()  # union over scrapes: a gauge not refreshed for two report intervals drops out
 

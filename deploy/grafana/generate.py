@@ -198,13 +198,17 @@ SERVING: list[dict[str, Any]] = [
     row("Throughput and errors"),
     timeseries("Prompt and generation tokens/s", "Prompt tokens of admitted requests and generated tokens.", TOK_S,
                [target(_rate("ray_dsde_prompt_tokens_total", "model"), "prompt {{model}}"),
-                target(_rate("ray_dsde_generation_tokens_total", "model"), "generation {{model}}")], w=8, min=0),
+                target(_rate("ray_dsde_generation_tokens_total", "model"), "generation {{model}}")], w=6, min=0),
+    timeseries("Prefill chunks/s", "Chunks of prompts over a step's prefill budget (prefill_chunk) fed to each "
+               "model: a long prompt's TTFT is spread over these steps so the running requests keep decoding "
+               "(README, Chunked prefill).", "short",
+               [target(_rate("ray_dsde_prefill_chunks_total", "worker"), "{{worker}}")], w=6, min=0),
     timeseries("Requests finished by reason", "stop, length, cancelled (client gone), error.", "reqps",
                [target(_rate("ray_dsde_requests_finished_total", "finished_reason"), "{{finished_reason}}")],
-               w=8, min=0),
+               w=6, min=0),
     timeseries("Errors by status", "HTTP error responses per second, by status code (4xx: the request; 5xx: the "
                "service).", "reqps",
-               [target(_rate("ray_dsde_request_errors_total", "status_code"), "{{status_code}}")], w=8, min=0),
+               [target(_rate("ray_dsde_request_errors_total", "status_code"), "{{status_code}}")], w=6, min=0),
     row("Ray Serve"),
     stat("Workers up", "Whether the ingress reaches each of its actors (1 up, 0 down: the engine falls back to "
          "target-only decoding without the draft and waits for a restarted target; README, Failure behaviour).",
