@@ -50,6 +50,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # end the request as an eos does (dropped unless the next field keeps them)
     include_stop_str_in_output: bool = False  # vLLM's: the stop string or stop_token_ids token that ended it is kept
     min_tokens: int = 0  # the end-of-sequence and stop_token_ids are held off until the output has this many tokens
+    skip_special_tokens: bool = True  # vLLM's: special tokens' text is left out of the output text (not its ids)
     logprobs: int | None = None  # None: none; n: each output token's log-probability and the n likeliest (sampling.py)
     prompt_logprobs: int | None = None  # the same for each prompt token after the first (what an echo reports)
     presence_penalty: float = 0.0  # subtracted from the logit of each token the output holds (sampling.penalize)

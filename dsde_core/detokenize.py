@@ -41,9 +41,11 @@ def token_bytes(tokenizer: Any) -> Callable[[int], bytes]:
 class TextStream:
     """Turns a growing list of token ids into text deltas; finds stop strings, even across token borders."""
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), min_ids: int = 0, keep_stop: bool = False) -> None:
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), min_ids: int = 0, keep_stop: bool = False,
+                 skip_special: bool = True) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
+        self.skip_special = skip_special  # special tokens (an eos let through, a template's markers) leave no text
         self.keep_stop = keep_stop  # the text ends after the stop string, not before it (include_stop_str_in_output)
         self.min_ids = min_ids  # a stop string counts only where an id from the min_ids-th on completes it (min_tokens)
         self._floor: int | None = 0 if min_ids <= 1 else None  # no counted stop string ends within text[:floor]
@@ -79,7 +81,7 @@ class TextStream:
         return self._send(full[: end - hold])
 
     def _decode(self, n: int) -> str:
-        return self.tokenizer.decode(self.ids[:n], skip_special_tokens=True)
+        return self.tokenizer.decode(self.ids[:n], skip_special_tokens=self.skip_special)
 
     def _stop_at(self, text: str) -> tuple[int, str] | None:
         """The first stop string in `text` past what was sent that ends past the floor, and where it begins (None:
@@ -96,7 +98,7 @@ class TextStream:
         """At the end: send what was held back (unless a stop string ended the text)."""
         if self.stopped:
             return ""
-        return self._send(self.tokenizer.decode(self.ids, skip_special_tokens=True))
+        return self._send(self._decode(len(self.ids)))
 
     def _send(self, text: str) -> str:
         delta = text[len(self.text) :]  # text only grows: a prefix already sent is never taken back

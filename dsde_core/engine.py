@@ -119,7 +119,7 @@ class Engine:
                 raise ConfigError(f"request id {req_id!r} is already in use")
             req = Request(req_id, prompt, params, spec or SpeculationParams(),
                           TextStream(self.tokenizer, params.stop, params.min_tokens,
-                                     params.include_stop_str_in_output), on_output)
+                                     params.include_stop_str_in_output, params.skip_special_tokens), on_output)
             self.requests[req_id] = req
             self.waiting.append(req)
         return req

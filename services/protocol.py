@@ -6,7 +6,7 @@ text) are a 400 naming the field, never ignored. Log-probabilities: completions'
 alternatives; with `echo`, the prompt's too), chat's `logprobs` (true) with `top_logprobs` (0-20). Penalties:
 OpenAI's `presence_penalty` and `frequency_penalty` (-2 to 2), and vLLM's `repetition_penalty` (0.01 to 10; 1 is
 none). `logit_bias` (OpenAI's: token id -> bias in [-100, 100], at most 1024 ids). vLLM's `min_p`,
-`min_tokens`, `stop_token_ids`, `ignore_eos` and `include_stop_str_in_output`.
+`min_tokens`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output` and `skip_special_tokens`.
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     speculation: SpeculationOptions = Field(default_factory=SpeculationOptions)
 
     @field_validator("stop")
@@ -109,7 +110,8 @@ class _Common(BaseModel):
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias or {},
                               min_p=self.min_p, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids or (),
-                              ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output)
+                              ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
+                              skip_special_tokens=self.skip_special_tokens)
 
     def logprob_count(self) -> int | None:
         """Alternatives per output token to report with its log-probability; None: no log-probabilities."""

@@ -60,6 +60,25 @@ def test_keep_stop_ends_the_text_after_the_stop_string_and_names_it() -> None:
     assert plain.add([0, 4, 5, 6]) == "a" and plain.matched == "END" and plain.ids == s.ids
 
 
+class SpecialTokenizer(CharTokenizer):
+    """CharTokenizer with token 11, the special "<s>"."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        mark = "" if skip_special_tokens else "<s>"
+        return "".join(mark if i == 11 else CharTokenizer.decode(self, [i]) for i in ids)
+
+
+def test_special_tokens_are_left_out_of_the_text_unless_asked_for() -> None:
+    """vLLM's skip_special_tokens: by default a special token adds no text; kept, it does, and a stop string can
+    match it (the text as sent). The ids are the same either way."""
+    skip, keep = TextStream(SpecialTokenizer()), TextStream(SpecialTokenizer(), skip_special=False)
+    assert [skip.add([0, 11]), skip.add([1])] == ["a", "b"] and skip.ids == [0, 11, 1]
+    assert [keep.add([0, 11]), keep.add([1])] == ["a<s>", "b"] and keep.ids == [0, 11, 1]
+    stopped = TextStream(SpecialTokenizer(), stop=("<s>",), skip_special=False)
+    assert stopped.add([0, 11, 1]) == "a" and stopped.stopped and stopped.kept == 2
+    assert TextStream(SpecialTokenizer(), stop=("<s>",)).add([0, 11, 1]) == "ab"
+
+
 def test_held_back_prefix_is_released_when_it_is_not_a_stop() -> None:
     s = TextStream(CharTokenizer(), stop=("END",))
     assert s.add([4]) == ""

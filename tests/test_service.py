@@ -240,6 +240,13 @@ def test_penalties_through_the_openai_client(tiny_app: App, reference_llm: Specu
     assert len(word) == 3 and "".join(c.choices[0].text for c in chunks) == full[: full.index(word) + 3]
     assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].choices[0].model_extra["stop_reason"] == word
 
+    special = reference_llm.tokenizer.convert_tokens_to_ids("<|im_start|>")  # vLLM's skip_special_tokens: the text
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0, "logit_bias": {str(special): 100}}
+    skipped = tiny_app.client().completions.create(**body)  # (by default) leaves special tokens out
+    shown = tiny_app.client().completions.create(**body, extra_body={"skip_special_tokens": False})
+    assert skipped.choices[0].text == "" and skipped.usage.completion_tokens == 3
+    assert shown.choices[0].text == "<|im_start|>" * 3 and shown.usage.completion_tokens == 3
+
 
 def test_echo_with_log_probabilities_scores_the_prompt(tiny_app: App, reference_llm: SpeculativeLLM) -> None:
     """What evaluation harnesses send to score a text (echo, logprobs, one token): the text starts with the prompt
