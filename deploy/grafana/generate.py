@@ -201,8 +201,10 @@ SERVING: list[dict[str, Any]] = [
                 target(_rate("ray_dsde_generation_tokens_total", "model"), "generation {{model}}")], w=6, min=0),
     timeseries("Prefill chunks/s", "Chunks of prompts over a step's prefill budget (prefill_chunk) fed to each "
                "model: a long prompt's TTFT is spread over these steps so the running requests keep decoding "
-               "(README, Chunked prefill).", "short",
-               [target(_rate("ray_dsde_prefill_chunks_total", "worker"), "{{worker}}")], w=6, min=0),
+               "(README, Chunked prefill); 0 before a first chunk.", "short",
+               [target(f"{_rate('ray_dsde_prefill_chunks_total', 'worker')}\n"  # 0 before a first chunk
+                       f"  or 0 * min by (worker) (ray_dsde_worker_up{{{M}, worker=~\"target|draft\"}})",
+                       "{{worker}}")], w=6, min=0),
     timeseries("Requests finished by reason", "stop, length, cancelled (client gone), error.", "reqps",
                [target(_rate("ray_dsde_requests_finished_total", "finished_reason"), "{{finished_reason}}")],
                w=6, min=0),
