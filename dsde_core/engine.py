@@ -524,9 +524,15 @@ class Engine:
         if self.health[role].down:
             return  # opened by _recover when the worker is back
         try:
-            worker.open(r.slot, r.params, len(r.prompt_ids), len(r.output_ids))
+            self._open_slot(worker, r)
         except self._survivable(role) as e:
             self._failed(role, e)
+
+    @staticmethod
+    def _open_slot(worker: DraftAPI | TargetAPI, r: Request) -> None:
+        """Open r's slot on a model worker: its parameters, prompt length and output so far (a reopened slot's seeded
+        draws start a stream of their own)."""
+        worker.open(r.slot, r.params, len(r.prompt_ids), len(r.output_ids))
 
     def _release(self, role: str, party: Any, key: int | str) -> None:
         """Release a slot (a request id for the policy); deferred to _recover while the party is down."""
@@ -578,7 +584,7 @@ class Engine:
                     party.release(key)
                 if role != "policy":  # a restarted policy rebuilds per-request state on its next plan
                     for r in self.running:
-                        party.open(r.slot, r.params, len(r.prompt_ids), len(r.output_ids))
+                        self._open_slot(party, r)
                         if role == "draft":
                             r.synced_draft = 0
                         else:

@@ -223,6 +223,10 @@ class _State:
         """The running mean p of drafted tokens, by token."""
         return self.p_sum / self.p_count
 
+    def start_probe(self, plan: int, cold: bool) -> None:
+        """A probe begins at this plan; with a cold draft cache it goes on until the sequence drafts (`warming`)."""
+        self.probing, self.off_since, self.cold, self.warming = True, plan, False, cold
+
     def accepted_per_step(self, k: int) -> float:
         """e = p_first * sum_{m<k} pbar^m: expected drafted tokens accepted in a step of k (the first token is
         accepted with p_first, each after it with pbar given the one before)."""
@@ -301,7 +305,7 @@ class GoodputPolicy(SpeculationPolicy):
                     self._plans - st.off_since >= st.probe_every and self._plans % st.probe_every == 0
                     and (not cold or seqs[i].remaining is None or seqs[i].remaining >= cfg.probe_max))
                 if st.probing and not st.warming:  # a new probe (one that prefills a cold cache too) doubles it
-                    st.off_since, st.cold, st.warming = self._plans, False, cold
+                    st.start_probe(self._plans, cold)
                     st.probe_every = min(2 * st.probe_every, cfg.probe_max)
                 elif not st.probing:
                     k = 0
@@ -315,8 +319,8 @@ class GoodputPolicy(SpeculationPolicy):
             # left drafts once, and the draft is timed and judged afresh
             i = max(rows, key=lambda j: (math.inf if seqs[j].remaining is None else seqs[j].remaining, -j))
             st = states[i]
-            st.probing, st.off_since, st.last_k, st.cold = True, self._plans, ks[i], False
-            st.warming = seqs[i].draft_lag > 0
+            st.start_probe(self._plans, seqs[i].draft_lag > 0)
+            st.last_k = ks[i]
             plans[i] = self._drafting(st, ks[i], stop, worth[i])
             self._drafted_at = self._plans
         return plans
