@@ -15,7 +15,7 @@ from dsde_core.config import SamplingParams
 from dsde_core.cost import OnlineCostModel, StepCosts
 from dsde_core.errors import ConfigError
 from dsde_core.policies import GoodputConfig, GoodputPolicy, Plan, SeqInfo, SpeculationPolicy, StepFeedback, make_policy
-from dsde_core.policies.goodput import AcceptanceModel
+from dsde_core.policies.goodput import AcceptanceModel, _State
 from dsde_core.policies.stopping import CONF_EPS, CONFIDENCE_AS_P, DraftStop, logit, sigmoid
 from dsde_core.workers import DraftTask, DraftWorker
 from tests.tiny import random_prompts, tiny_engine
@@ -333,9 +333,18 @@ def test_an_empty_pool_explores_with_every_row() -> None:
     assert drafting[:n // 4] == [[0, 1, 2, 3]] * (n // 4) and drafting[n // 4:] == [[]] * (n - n // 4 + 6)
 
 
+def _closed(pol: GoodputPolicy, seqs: list[SeqInfo], costs: StepCosts) -> GoodputPolicy:
+    """pol with seqs running in a batch that has just shrunk: a third request ran beside them and left, and none
+    took its slot."""
+    pol.plan([*seqs, SeqInfo("gone", 0.0, 0, remaining=1)], costs)
+    pol.release("gone")
+    return pol
+
+
 def test_a_closed_batch_weighs_each_rows_tokens_by_its_remaining_steps() -> None:
-    """With requests waiting every token is worth the same (w = 1); with none the batch only shrinks, and a row's
-    tokens are worth its expected remaining steps S_i = remaining_i / (1 + e_i) against the batch's mean."""
+    """With requests waiting every token is worth the same (w = 1); in a closed batch (it came to an idle engine, or
+    shrank) a row's tokens are worth its expected remaining steps S_i = remaining_i / (1 + e_i(h_i)) against the
+    batch's mean."""
     cheap = _costs(batch=3, draft=lambda n: 0.005)  # every row drafts
     seqs = [SeqInfo("long", 0.0, 8, remaining=60), SeqInfo("short", 0.0, 8, remaining=12),
             SeqInfo("mid", 0.0, 8, remaining=36)]
@@ -343,13 +352,46 @@ def test_a_closed_batch_weighs_each_rows_tokens_by_its_remaining_steps() -> None
     plans = GoodputPolicy().plan(seqs, cheap, waiting=0)
     assert all(p.k == 8 for p in plans)  # equal states, so S_i is proportional to remaining_i
     assert [p.worth for p in plans] == pytest.approx([60 / 36, 12 / 36, 1.0])
-    # e_i counts: a row that drafts well has fewer steps left than its tokens say
-    pol = _with_evidence(cheap)
-    _feed(pol, pol.plan([SeqInfo("good", 0.0, 8, remaining=40)], cheap), [SeqInfo("good", 0.0, 8, 1, 40)],
-          lambda k: k, conf=0.99)
-    two = [SeqInfo("good", 0.0, 8, remaining=40), SeqInfo("new", 0.0, 8, remaining=40)]
-    good, new = pol.plan(two, cheap)
-    assert good.worth < 1.0 < new.worth and good.worth + new.worth == pytest.approx(2.0)
+
+
+def test_a_rows_remaining_steps_count_the_tokens_it_drafts_not_its_ceiling() -> None:
+    """e_i is taken at h_i, the row's mean drafted tokens per drafting step (its running count), not at its ceiling
+    k: a row whose pbar is high but whose drafts the stop rule ends after a token or two does not finish early."""
+    seqs = [SeqInfo("sure", 0.0, 20, remaining=40), SeqInfo("unsure", 0.0, 20, remaining=40)]
+    sure = _State(True, 0.0, p_first=0.85, p_sum=0.85 * 1.4, p_count=1.4)  # pbar 0.85, 1.4 tokens a step
+    unsure = _State(True, 0.0, p_first=0.7, p_sum=0.7 * 1.4, p_count=1.4)
+    w = GoodputPolicy._worth(seqs, [sure, unsure], [20, 20])  # h = 1 for both: e = p_first
+    assert w == pytest.approx([2 * 40 / 1.85 / (40 / 1.85 + 40 / 1.7), 2 * 40 / 1.7 / (40 / 1.85 + 40 / 1.7)])
+    assert 0.95 < w[0] < 1.0  # at the ceilings (e = 5.45 against 2.33) it was 0.68, and the row was left out
+    steady = _State(True, 0.0, p_first=0.85, p_sum=0.85 * 3.0, p_count=3.0)  # 3 tokens a step
+    e = 0.85 * (1 + 0.85 + 0.85 ** 2)
+    w = GoodputPolicy._worth(seqs, [steady, unsure], [20, 20])
+    assert w[0] == pytest.approx(2 * (40 / (1 + e)) / (40 / (1 + e) + 40 / 1.7))
+    assert GoodputPolicy._worth(seqs, [steady, unsure], [2, 20])[0] == pytest.approx(
+        2 * (40 / 2.5725) / (40 / 2.5725 + 40 / 1.7))  # h is at most the row's k (here 2: e = 0.85 * 1.85)
+
+
+def test_a_batch_whose_freed_slots_are_refilled_weighs_every_token_the_same() -> None:
+    """A client that keeps N requests in flight leaves the engine's queue empty at every plan, yet its batch never
+    shrinks: once a request joins running ones (it took a freed slot, or a free one) the batch is open, w = 1; a
+    departure nothing replaces closes it again, and so does a batch of new requests only."""
+    cheap = _costs(batch=3, draft=lambda n: 0.005)
+    pol = GoodputPolicy()
+
+    def worth(*rows: tuple[str, int]) -> list[float]:
+        return [p.worth for p in pol.plan([SeqInfo(r, 0.0, 8, remaining=n) for r, n in rows], cheap)]
+
+    assert worth(("a", 60), ("b", 12), ("c", 36)) != [1.0] * 3  # a batch came to an idle engine: closed
+    pol.release("b")
+    assert worth(("a", 59), ("c", 35), ("d", 48)) == [1.0] * 3  # d took b's slot
+    assert worth(("a", 58), ("c", 34), ("d", 47)) == [1.0] * 3  # and it stays open
+    pol.release("c")
+    assert worth(("a", 57), ("d", 46)) == pytest.approx([2 * 57 / 103, 2 * 46 / 103])  # c's slot stayed empty
+    assert worth(("a", 56), ("d", 45), ("e", 48)) == [1.0] * 3  # e joined running ones
+    pol.release("a")
+    pol.release("d")
+    pol.release("e")
+    assert worth(("f", 30), ("g", 10)) == pytest.approx([1.5, 0.5])  # a new batch, as after an idle engine: closed
 
 
 def test_in_a_closed_batch_the_row_about_to_finish_stops_drafting() -> None:
@@ -358,8 +400,8 @@ def test_in_a_closed_batch_the_row_about_to_finish_stops_drafting() -> None:
     drafts."""
     costs = _costs(batch=2, draft=lambda n: 0.04 + 0.005 * (n - 1))
     seqs = [SeqInfo("long", 0.0, 8, remaining=48), SeqInfo("short", 0.0, 8, remaining=4)]
-    assert [p.k for p in _with_evidence(costs).plan(seqs, costs, waiting=1)] == [8, 8]
-    assert [p.k for p in _with_evidence(costs).plan(seqs, costs, waiting=0)] == [8, 0]
+    assert [p.k for p in _closed(_with_evidence(costs), seqs, costs).plan(seqs, costs, waiting=1)] == [8, 8]
+    assert [p.k for p in _closed(_with_evidence(costs), seqs, costs).plan(seqs, costs, waiting=0)] == [8, 0]
 
 
 def test_plans_carry_the_batch_rule_and_each_rows_model() -> None:

@@ -1,0 +1,101 @@
+"""dsde-goodput against itself at another git revision, in one run: does a policy change pay on this machine?
+
+    python benchmarks/goodput_ab.py [--policies off,static:1,dsde-goodput@REV,dsde-goodput] [--workload chat]
+                                    [--temperature 1] [--batch 4] [--num-prompts 16] [--max-tokens 48]
+                                    [--rounds 5] [--out FILE.json]
+
+A policy spec `dsde-goodput@REV` is the policy as it was at git revision REV (its module,
+dsde_core/policies/goodput.py, read with `git show` and loaded beside today's; everything else is today's). Each
+cell runs as `dsde bench` runs it (the embedded pair in-process, its prompts and seeds, --warm-requests 4 for a
+policy that learns across requests, round-robin rounds with new seeds at T > 0, the closed-loop driver that keeps
+--batch requests in flight). The table prints each policy's median wall time and its tokens/s against target-only
+decoding ("off"), with every round's wall time: compare the ratios, not the seconds (a shared machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from dsde_bench.backend import load_backend
+from dsde_bench.runner import WARM_SEED_OFFSET, Warmup, drive, other_prompts, round_seed, sampling_params
+from dsde_bench.workloads import DEFAULT_MAX_CHARS, load_workload
+from dsde_core.policies import SpeculationPolicy, make_policy
+
+MODULE = "dsde_core/policies/goodput.py"
+
+
+def policy_at(rev: str) -> type[SpeculationPolicy]:
+    """GoodputPolicy as dsde_core/policies/goodput.py was at git revision rev."""
+    source = subprocess.run(["git", "show", f"{rev}:{MODULE}"], capture_output=True, text=True, check=True).stdout
+    path = Path(tempfile.mkdtemp()) / f"goodput_{rev}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"goodput_at_{rev}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.GoodputPolicy
+
+
+def build(spec: str) -> SpeculationPolicy:
+    name, _, rev = spec.partition("@")
+    return policy_at(rev)() if rev else make_policy(name)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--policies", default="off,static:1,dsde-goodput@HEAD,dsde-goodput")
+    ap.add_argument("--workload", default="chat")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--warm-requests", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    specs = args.policies.split(",")
+    for s in specs:
+        build(s)  # a bad spec or revision fails before the models load
+    backend = load_backend(max_batch=args.batch)
+    max_chars = DEFAULT_MAX_CHARS
+    prompts = load_workload(args.workload, args.num_prompts, args.seed, max_chars)
+    ids = [backend.encode(p.text) for p in prompts]
+    pids = [f"{p.id}#{i}" for i, p in enumerate(prompts)]
+    warm_p = other_prompts(args.workload, args.warm_requests, args.seed, max_chars, prompts)
+    warm = Warmup([backend.encode(p.text) for p in warm_p], [f"warm-{i}" for i in range(len(warm_p))],
+                  sampling_params(len(warm_p), args.max_tokens, args.temperature, args.seed + WARM_SEED_OFFSET, True))
+    drive(backend.engine, ids[:2], pids[:2], sampling_params(2, 4, args.temperature, args.seed, True), 2)  # warm-up
+    walls: dict[str, list[float]] = {s: [] for s in specs}
+    tokens = args.num_prompts * args.max_tokens
+    for rnd in range(args.rounds):
+        params = sampling_params(len(ids), args.max_tokens, args.temperature,
+                                 round_seed(args.seed, rnd, args.temperature), True)
+        for s in specs:
+            policy = build(s)
+            if policy.pooled and warm.prompts:  # as dsde bench: a policy that learns across requests warms up
+                backend.engine.set_policy(policy)
+                drive(backend.engine, warm.prompts, warm.prompt_ids, warm.params, args.batch)
+            backend.engine.set_policy(policy)
+            run = drive(backend.engine, ids, pids, params, args.batch)
+            walls[s].append(run.wall_s)
+            print(f"round {rnd} {s:28} {run.wall_s:7.2f} s {tokens / run.wall_s:6.2f} tok/s", flush=True)
+    base = statistics.median(walls[specs[0]])
+    print(f"\n{args.workload} T={args.temperature:g} b{args.batch}, {args.num_prompts} prompts x {args.max_tokens} "
+          f"tokens, {args.rounds} rounds; speedup = median wall of {specs[0]} / median wall")
+    for s in specs:
+        med = statistics.median(walls[s])
+        print(f"{s:28} median {med:7.2f} s  {base / med:5.3f}x  rounds {' '.join(f'{w:.1f}' for w in walls[s])}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "walls_s": walls}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
