@@ -24,8 +24,10 @@ import tempfile
 from pathlib import Path
 
 from dsde_bench.backend import load_backend
+from dsde_bench.provenance import code_version, run_meta
 from dsde_bench.runner import WARM_SEED_OFFSET, Warmup, drive, other_prompts, round_seed, sampling_params
 from dsde_bench.workloads import DEFAULT_MAX_CHARS, load_workload
+from dsde_core.errors import ConfigError
 from dsde_core.policies import SpeculationPolicy, make_policy
 
 MODULE = "dsde_core/policies/goodput.py"
@@ -33,7 +35,11 @@ MODULE = "dsde_core/policies/goodput.py"
 
 def policy_at(rev: str) -> type[SpeculationPolicy]:
     """GoodputPolicy as dsde_core/policies/goodput.py was at git revision rev."""
-    source = subprocess.run(["git", "show", f"{rev}:{MODULE}"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(["git", "show", f"{rev}:{MODULE}"], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent)
+    if out.returncode != 0:
+        raise ConfigError(f"no {MODULE} at git revision {rev!r}: {out.stderr.strip()}")
+    source = out.stdout
     path = Path(tempfile.mkdtemp()) / f"goodput_{rev}.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location(f"goodput_at_{rev}", path)
@@ -62,8 +68,12 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     specs = args.policies.split(",")
-    for s in specs:
-        build(s)  # a bad spec or revision fails before the models load
+    try:
+        for s in specs:
+            build(s)  # a bad spec or revision fails before the models load
+    except ConfigError as e:
+        raise SystemExit(f"goodput_ab: {e}") from None
+    code = code_version()
     backend = load_backend(max_batch=args.batch)
     max_chars = DEFAULT_MAX_CHARS
     prompts = load_workload(args.workload, args.num_prompts, args.seed, max_chars)
@@ -94,7 +104,8 @@ def main() -> None:
         med = statistics.median(walls[s])
         print(f"{s:28} median {med:7.2f} s  {base / med:5.3f}x  rounds {' '.join(f'{w:.1f}' for w in walls[s])}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "walls_s": walls}, indent=1) + "\n")
+        doc = {"args": vars(args), "walls_s": walls, "meta": run_meta(code)}
+        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
 
 
 if __name__ == "__main__":

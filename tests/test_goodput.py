@@ -333,14 +333,6 @@ def test_an_empty_pool_explores_with_every_row() -> None:
     assert drafting[:n // 4] == [[0, 1, 2, 3]] * (n // 4) and drafting[n // 4:] == [[]] * (n - n // 4 + 6)
 
 
-def _closed(pol: GoodputPolicy, seqs: list[SeqInfo], costs: StepCosts) -> GoodputPolicy:
-    """pol with seqs running in a batch that has just shrunk: a third request ran beside them and left, and none
-    took its slot."""
-    pol.plan([*seqs, SeqInfo("gone", 0.0, 0, remaining=1)], costs)
-    pol.release("gone")
-    return pol
-
-
 def test_a_closed_batch_weighs_each_rows_tokens_by_its_remaining_steps() -> None:
     """With requests waiting every token is worth the same (w = 1); in a closed batch (it came to an idle engine, or
     shrank) a row's tokens are worth its expected remaining steps S_i = remaining_i / (1 + e_i(h_i)) against the
@@ -400,8 +392,8 @@ def test_in_a_closed_batch_the_row_about_to_finish_stops_drafting() -> None:
     drafts."""
     costs = _costs(batch=2, draft=lambda n: 0.04 + 0.005 * (n - 1))
     seqs = [SeqInfo("long", 0.0, 8, remaining=48), SeqInfo("short", 0.0, 8, remaining=4)]
-    assert [p.k for p in _closed(_with_evidence(costs), seqs, costs).plan(seqs, costs, waiting=1)] == [8, 8]
-    assert [p.k for p in _closed(_with_evidence(costs), seqs, costs).plan(seqs, costs, waiting=0)] == [8, 0]
+    assert [p.k for p in _with_evidence(costs).plan(seqs, costs, waiting=1)] == [8, 8]
+    assert [p.k for p in _with_evidence(costs).plan(seqs, costs, waiting=0)] == [8, 0]
 
 
 def test_plans_carry_the_batch_rule_and_each_rows_model() -> None:
