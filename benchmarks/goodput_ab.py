@@ -15,6 +15,7 @@ decoding ("off"), with every round's wall time: compare the ratios, not the seco
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import statistics
@@ -33,8 +34,9 @@ from dsde_core.policies import SpeculationPolicy, make_policy
 MODULE = "dsde_core/policies/goodput.py"
 
 
+@functools.cache
 def policy_at(rev: str) -> type[SpeculationPolicy]:
-    """GoodputPolicy as dsde_core/policies/goodput.py was at git revision rev."""
+    """GoodputPolicy as dsde_core/policies/goodput.py was at git revision rev (read once: a run compares fixed code)."""
     out = subprocess.run(["git", "show", f"{rev}:{MODULE}"], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parent)
     if out.returncode != 0:
@@ -51,6 +53,8 @@ def policy_at(rev: str) -> type[SpeculationPolicy]:
 
 def build(spec: str) -> SpeculationPolicy:
     name, _, rev = spec.partition("@")
+    if rev and name != "dsde-goodput":
+        raise ConfigError(f"only dsde-goodput takes @REV, got {spec!r}")
     return policy_at(rev)() if rev else make_policy(name)
 
 
@@ -67,6 +71,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if min(args.rounds, args.num_prompts, args.max_tokens, args.batch) < 1:
+        ap.error("--rounds, --num-prompts, --max-tokens and --batch must be >= 1")
     specs = args.policies.split(",")
     try:
         for s in specs:

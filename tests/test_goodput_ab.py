@@ -33,3 +33,5 @@ def test_a_revisions_policy_is_loaded_beside_todays() -> None:
     assert isinstance(ab.build("static:1"), StaticPolicy) and isinstance(ab.build("dsde-goodput"), GoodputPolicy)
     with pytest.raises(ConfigError, match="no dsde_core/policies/goodput.py at git revision 'no-such-rev'"):
         ab.build("dsde-goodput@no-such-rev")
+    with pytest.raises(ConfigError, match="only dsde-goodput takes @REV"):
+        ab.build("static:1@HEAD")
