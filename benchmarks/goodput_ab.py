@@ -26,7 +26,7 @@ from pathlib import Path
 
 from dsde_bench.backend import load_backend
 from dsde_bench.provenance import code_version, run_meta
-from dsde_bench.runner import WARM_SEED_OFFSET, Warmup, drive, other_prompts, round_seed, sampling_params
+from dsde_bench.runner import WARM_SEED_OFFSET, Warmup, drive, other_prompts, round_seed, run_cell, sampling_params
 from dsde_bench.workloads import DEFAULT_MAX_CHARS, load_workload
 from dsde_core.errors import ConfigError
 from dsde_core.policies import SpeculationPolicy, make_policy
@@ -95,12 +95,7 @@ def main() -> None:
         params = sampling_params(len(ids), args.max_tokens, args.temperature,
                                  round_seed(args.seed, rnd, args.temperature), True)
         for s in specs:
-            policy = build(s)
-            if policy.pooled and warm.prompts:  # as dsde bench: a policy that learns across requests warms up
-                backend.engine.set_policy(policy)
-                drive(backend.engine, warm.prompts, warm.prompt_ids, warm.params, args.batch)
-            backend.engine.set_policy(policy)
-            run = drive(backend.engine, ids, pids, params, args.batch)
+            run = run_cell(backend.engine, build(s), ids, pids, params, args.batch, watch=0, warm=warm)
             walls[s].append(run.wall_s)
             print(f"round {rnd} {s:28} {run.wall_s:7.2f} s {tokens / run.wall_s:6.2f} tok/s", flush=True)
     base = statistics.median(walls[specs[0]])

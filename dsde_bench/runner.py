@@ -31,7 +31,7 @@ from dsde_bench.workloads import DEFAULT_MAX_CHARS, WORKLOADS, Prompt, load_work
 from dsde_core.config import SamplingParams
 from dsde_core.engine import Engine
 from dsde_core.errors import ConfigError
-from dsde_core.policies import make_policy
+from dsde_core.policies import SpeculationPolicy, make_policy
 
 STATIC_KS: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
 WARM_SEED_OFFSET = 1000
@@ -217,10 +217,13 @@ def other_prompts(workload: str, n: int, seed: int, max_chars: int, cell: Sequen
     return load_workload(workload, n, seed + WARM_SEED_OFFSET, max_chars, frozenset(p.id for p in cell))
 
 
-def run_cell(engine: Engine, policy: str, prompts: Sequence[Sequence[int]], prompt_ids: Sequence[str],
-             params: Sequence[SamplingParams], batch: int, watch: int = 3, warm: Warmup | None = None) -> CellRun:
-    adaptive = policy != "off" and not policy.startswith("static")
-    inner = make_policy(policy)
+def run_cell(engine: Engine, policy: str | SpeculationPolicy, prompts: Sequence[Sequence[int]],
+             prompt_ids: Sequence[str], params: Sequence[SamplingParams], batch: int, watch: int = 3,
+             warm: Warmup | None = None) -> CellRun:
+    """Run a cell's prompts with `policy` (a spec, or a fresh policy object); one that learns across requests first
+    serves `warm`'s prompts."""
+    inner = make_policy(policy) if isinstance(policy, str) else policy
+    adaptive = inner.name != "off" and not inner.name.startswith("static")
     if warm is not None and inner.pooled and warm.prompts:  # steady state: what a server that has run a while sees
         engine.set_policy(inner)
         drive(engine, warm.prompts, warm.prompt_ids, warm.params, batch)

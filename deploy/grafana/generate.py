@@ -32,6 +32,11 @@ def _rate(metric: str, by: str = "", sel: str = M, window: str = RI) -> str:
     return f"sum{f' by ({by})' if by else ''} (rate({metric}{{{sel}}}[{window}]))"
 
 
+def _zero_by_worker(sel: str = M) -> str:
+    """`or` 0 for each worker the ingress reports: a counter exported from its first event on reads 0 before it."""
+    return f"\n  or 0 * min by (worker) (ray_dsde_worker_up{{{sel}}})"
+
+
 def _ratio(num: str, den: str, by: str = "", sel: str = M) -> str:
     return f"{_rate(num, by, sel)}\n  / {_rate(den, by, sel)}"
 
@@ -202,9 +207,8 @@ SERVING: list[dict[str, Any]] = [
     timeseries("Prefill chunks/s", "Chunks of prompts over a step's prefill budget (prefill_chunk) fed to each "
                "model: a long prompt's TTFT is spread over these steps so the running requests keep decoding "
                "(README, Chunked prefill); 0 before a first chunk.", "short",
-               [target(f"{_rate('ray_dsde_prefill_chunks_total', 'worker')}\n"  # 0 before a first chunk
-                       f"  or 0 * min by (worker) (ray_dsde_worker_up{{{M}, worker=~\"target|draft\"}})",
-                       "{{worker}}")], w=6, min=0),
+               [target(_rate("ray_dsde_prefill_chunks_total", "worker")
+                       + _zero_by_worker(f'{M}, worker=~"target|draft"'), "{{worker}}")], w=6, min=0),
     timeseries("Requests finished by reason", "stop, length, cancelled (client gone), error.", "reqps",
                [target(_rate("ray_dsde_requests_finished_total", "finished_reason"), "{{finished_reason}}")],
                w=6, min=0),
@@ -217,8 +221,8 @@ SERVING: list[dict[str, Any]] = [
          "none", f"min by (worker) (ray_dsde_worker_up{{{M}}})", w=4, legend="{{worker}}"),
     stat("Worker failures", "Times the engine lost each actor or it raised an error, over the dashboard's range "
          "(a down time shorter than a scrape shows here, not in Workers up; README, Failure behaviour).", "short",
-         f"sum by (worker) (increase(ray_dsde_worker_failures_total{{{M}}}[$__range]))\n"
-         f"  or 0 * min by (worker) (ray_dsde_worker_up{{{M}}})", w=4, legend="{{worker}}"),  # 0 before any
+         f"sum by (worker) (increase(ray_dsde_worker_failures_total{{{M}}}[$__range]))" + _zero_by_worker(), w=4,
+         legend="{{worker}}"),
     stat("Healthy replicas", "Replicas passing Serve's health check, per deployment.", "short",
          f"sum by (application, deployment) (ray_serve_deployment_replica_healthy{{{APP}}})", w=4,
          legend="{{deployment}}"),

@@ -399,7 +399,7 @@ class GoodputPolicy(SpeculationPolicy):
         shrinks and its time is set by the row that finishes last, so a row's tokens are worth its expected remaining
         steps against the batch's mean:
             w_i = S_i / mean_j S_j,     S_i = remaining_i / (1 + e_i(h_i)),     e_i(h) = p_first_i * sum_{m<h} pbar_i^m
-        with h_i its mean drafted tokens per drafting step (at most k_i; at least 1)."""
+        with h_i its mean drafted tokens per drafting step, rounded, between 1 and k_i (0 where k_i is 0)."""
         if len(seqs) < 2 or any(s.remaining is None for s in seqs):
             return [1.0] * len(seqs)
         steps = [s.remaining / (1 + st.accepted_per_step(min(k, max(1, round(st.p_count)))))
