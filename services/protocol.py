@@ -2,7 +2,9 @@
 
 Unknown fields are ignored, as OpenAI-compatible servers do; OpenAI's fields that this server does not implement and
 that would change the answer (`suffix`, `best_of` other than `n`, `tools`, `functions`, a `response_format` other than
-text) are a 400 naming the field, never ignored. Log-probabilities: completions' `logprobs` (0-20
+text) are a 400 naming the field, never ignored; so are vLLM's structured-output fields (`guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar`, `structural_tag`, `structured_outputs`): a client that sends one
+relies on the output following it. Log-probabilities: completions' `logprobs` (0-20
 alternatives; with `echo`, the prompt's too), chat's `logprobs` (true) with `top_logprobs` (0-20). Penalties:
 OpenAI's `presence_penalty` and `frequency_penalty` (-2 to 2), and vLLM's `repetition_penalty` (0.01 to 10; 1 is
 none). `logit_bias` (OpenAI's: token id -> bias in [-100, 100], at most 1024 ids). vLLM's `min_p`,
@@ -26,6 +28,8 @@ from dsde_core.config import (
 )
 
 MAX_STOP = 16
+# vLLM's structured-output fields: each constrains what the model may say, which this server does not do
+STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag", "structured_outputs")
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 64  # prompts per completions request (the engine's queue bounds prompts * n too)
 MAX_STOP_CHARS = 256  # per stop string
@@ -89,6 +93,19 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     speculation: SpeculationOptions = Field(default_factory=SpeculationOptions)
+    response_format: dict[str, Any] | None = None  # refused unless {"type": "text"} (_no_structured_output)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_structured_output(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            asked = [f for f in STRUCTURED if data.get(f) is not None]
+            if asked:
+                raise ValueError(f"{', '.join(asked)} (structured output) is not supported")
+            fmt = data.get("response_format")
+            if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
+                raise ValueError(f"response_format {fmt.get('type')!r} is not supported (only text)")
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -195,7 +212,6 @@ class ChatCompletionRequest(_Common):
     continue_final_message: bool = False  # vLLM's: the last message is the assistant's, its text continued (prefill)
     tools: list[Any] | None = None  # refused unless empty (_unsupported)
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None  # refused unless {"type": "text"}
 
     @model_validator(mode="after")
     def _max_tokens_alias(self) -> ChatCompletionRequest:
@@ -207,8 +223,6 @@ class ChatCompletionRequest(_Common):
     def _unsupported(self) -> ChatCompletionRequest:
         if self.tools or self.functions:
             raise ValueError("tools and functions (function calling) are not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError(f"response_format {self.response_format.get('type')!r} is not supported (only text)")
         return self
 
     @model_validator(mode="after")

@@ -176,7 +176,8 @@ def test_request_models_bound_their_fields() -> None:
                 dict(logprobs=21), dict(logprobs=-1), dict(presence_penalty=2.5), dict(frequency_penalty=-2.1),
                 dict(repetition_penalty=0.009), dict(repetition_penalty=10.5), dict(speculation={"max_sl": 65}),
                 dict(speculation={"policy": "x"}), dict(stop=[""]), dict(seed=-1), dict(suffix="x"),
-                dict(best_of=2)]:
+                dict(best_of=2), dict(response_format={"type": "json_object"}), dict(guided_regex="a+"),
+                dict(structured_outputs={"choice": ["a"]})]:
         with pytest.raises(ValidationError):
             CompletionRequest(**{"model": "m", "prompt": "hi", **bad})
     assert CompletionRequest(model="m", prompt="hi", logprobs=0).sampling(5).logprobs == 0
@@ -200,6 +201,10 @@ def test_request_models_bound_their_fields() -> None:
                                     continue_final_message=True, add_generation_prompt=False)
     assert prefill.template_options() == {"add_generation_prompt": False, "continue_final_message": True}
     assert CompletionRequest(model="m", prompt="hi", n=2, best_of=2, suffix="").best_of == 2  # neutral: accepted
+    neutral = CompletionRequest(model="m", prompt="hi", guided_json=None, response_format={})
+    assert neutral.response_format == {} and neutral.sampling(5).max_tokens == 5
+    with pytest.raises(ValidationError, match="guided_json, guided_grammar \\(structured output\\) is not supported"):
+        ChatCompletionRequest(model="m", messages=user, guided_json={}, guided_grammar="root ::= x")
     with pytest.raises(ValidationError):
         ChatCompletionRequest(model="m", messages=[])
     with pytest.raises(ValidationError):
