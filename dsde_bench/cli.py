@@ -99,7 +99,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests per replay (default max(prompts, 2 x batch))")
     s.add_argument("--sim-closed", action="store_true",
                    help="replay each group of BATCH prompts as its own closed batch with a fresh policy, as a "
-                        "`dsde bench` cell runs its prompts (each prompt once; not with --sim-requests)")
+                        "`dsde bench` cell of BATCH prompts runs them (a cell of more prompts refills each freed "
+                        "slot instead; each prompt once; not with --sim-requests)")
     s.add_argument("--horizon", type=int, default=None, help="draft rollout recorded per position (default --max-sl)")
     s.add_argument("--traces-dir", default=None,
                    help="where traces are kept (default $XDG_CACHE_HOME/dsde/traces: they hold the prompts' token "

@@ -2,8 +2,8 @@
 
 Reads the engine runs results/goodput*.json (`dsde bench --out results/goodput....json`, any grid that includes
 dsde-goodput), the simulator's results/simulate.json (the distance to the oracle) and results/simulate_closed.json
-(more prompts, in closed batches as the engine runs' cells). Throughput is output tokens per second of the whole
-cell (batch included); every ratio is taken between cells of the same run.
+(more prompts, in closed batches as the engine runs' 4-prompt cells). Throughput is output tokens per second of the
+whole cell (batch included); every ratio is taken between cells of the same run.
 """
 
 from __future__ import annotations
@@ -285,7 +285,7 @@ def oracle_table(sim: dict[str, Any] | None) -> str:
 
 
 def closed_table(doc: dict[str, Any] | None) -> str:
-    """The simulator on more prompts, replayed in closed batches as the real cells run them (`--sim-closed`):
+    """The simulator on more prompts, replayed in closed batches as the real 4-prompt cells run (`--sim-closed`):
     dsde-goodput and DSDE against the static k of the best tokens/s over all the prompts (one k, as an operator
     would set it), where the real runs judge each cell of 4 prompts against the best k for that cell in hindsight."""
     if not doc:
@@ -305,9 +305,10 @@ def closed_table(doc: dict[str, Any] | None) -> str:
         return "(the closed-batch simulator run did not include dsde-goodput and a static k)"
     cmd = doc.get("meta", {}).get("command", "dsde bench --simulate --sim-closed")
     return (f"Command: `{cmd}`{run_where(doc)}. Each group of `batch` prompts runs to its end before the next starts, "
-            "each with a fresh policy and its warm-up, as a `dsde bench` cell runs its 4 prompts; a row is over "
-            "all the groups. The real runs above judge each 4-prompt cell against the static k that was best on it "
-            "in hindsight, picked from several noisy candidates; here one k serves every group, and there is no "
+            "each with a fresh policy and its warm-up, as a `dsde bench` cell of 4 prompts runs them (a cell of "
+            "more prompts, as the T=1 run's 16, refills each freed slot instead); a row is over all the groups. "
+            "The real runs above judge each 4-prompt cell against the static k that was best on it in hindsight, "
+            "picked from several noisy candidates; here one k serves every group, and there is no "
             f"timing noise. dsde-goodput is at least as fast as that k in {sum(ahead)} of {len(ahead)} rows.\n\n"
             + md_table(["profile", "workload", "batch", "prompts", "best static k (tok/s)", "goodput tok/s",
                         "goodput / best k", "DSDE / best k"], rows))

@@ -633,7 +633,8 @@ along the target's greedy output.
 
 # ---- which code the figures describe --------------------------------------------------------------------------
 # how each results file is measured again: the first prefix of its name that matches
-RERUN = (("goodput", "make bench-goodput"), ("bench", "make bench-goodput"),
+RERUN = (("goodput_lowacc", "make bench-lowacc"), ("goodput_weak", "make bench-weak"),
+         ("goodput_batch", "make bench-batch"), ("goodput", "make bench-goodput"), ("bench", "make bench-grid"),
          ("simulate_closed", "make bench-sim-closed"), ("simulate_fp32", "make bench-sim-fp32"),
          ("simulate", "make bench-sim"), ("dsde_bound", "make bench-dsde-bound"), ("perf", "make perf"),
          ("service_throughput", ".venv/bin/python benchmarks/service_throughput.py --max-tokens 128 --rounds 3 --json "

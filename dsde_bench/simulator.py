@@ -434,7 +434,8 @@ def simulate(trace: Trace, policy: str | SpeculationPolicy, batch: int, max_sl: 
     same batch size: the steady state of a server, as `dsde bench --warm-requests` runs it. The other policies keep
     no state across requests and skip it.
     closed: the prompts run in closed batches of `batch`, in order, each to its end before the next starts and each
-    with a fresh policy (and its warm-up), as a `dsde bench` cell runs its prompts; one request per prompt.
+    with a fresh policy (and its warm-up), as a `dsde bench` cell of `batch` prompts runs them (a cell of more
+    prompts refills each freed slot instead); one request per prompt.
     """
     if batch < 1:
         raise ConfigError(f"batch must be >= 1, got {batch}")
@@ -450,9 +451,9 @@ def simulate(trace: Trace, policy: str | SpeculationPolicy, batch: int, max_sl: 
     name = policy if isinstance(policy, str) else pol.name
     costs = ProfileCosts(cost) if cost is not None else None
     if warm is not None and pol.pooled:
-        _replay(warm, pol, pol, batch, max_sl, len(warm.seqs), max_tokens, costs, prefix="warm-")
+        _replay(warm, pol, batch, max_sl, len(warm.seqs), max_tokens, costs, prefix="warm-")
     rec = RecordingPolicy(pol, watch=watch)
-    steps, everyone, finished = _replay(trace, rec, pol, batch, max_sl, num_requests, max_tokens, costs)
+    steps, everyone, finished = _replay(trace, rec, batch, max_sl, num_requests, max_tokens, costs)
     return SimRun(name, batch, steps, everyone, finished, rec.series)
 
 
@@ -472,11 +473,12 @@ def _chain(runs: Sequence[SimRun]) -> SimRun:
     return SimRun(runs[0].policy, runs[0].batch, steps, requests, finished, series)
 
 
-def _replay(trace: Trace, planner: SpeculationPolicy, pol: SpeculationPolicy, batch: int, max_sl: int | None,
+def _replay(trace: Trace, planner: SpeculationPolicy, batch: int, max_sl: int | None,
             num_requests: int | None, max_tokens: int | None, costs: ProfileCosts | None,
             prefix: str = "") -> tuple[list[tuple[list[int], list[int], list[int]]], list[_Live], dict[str, int]]:
-    """The engine's step loop on the trace: `planner` plans and observes (pol itself, or a recorder around it).
+    """The engine's step loop on the trace: `planner` plans and observes (a policy, or a recorder around one).
     Returns the steps, the requests and the step each finished in."""
+    oracle = getattr(planner, "inner", planner)  # the oracle policy reads the trace's matches ahead
     cap_sl = trace.horizon if max_sl is None else min(max_sl, trace.horizon)
     limit = trace.max_tokens if max_tokens is None else min(max_tokens, trace.max_tokens)
     n_req = num_requests if num_requests is not None else max(len(trace.seqs), batch)
@@ -495,8 +497,8 @@ def _replay(trace: Trace, planner: SpeculationPolicy, pol: SpeculationPolicy, ba
             live = _Live(rid, seq, admitted_step=step)
             running.append(live)
             everyone.append(live)
-        if isinstance(pol, OraclePolicy):
-            pol.lookahead = {r.rid: r.seq.match(r.pos) for r in running}
+        if isinstance(oracle, OraclePolicy):
+            oracle.lookahead = {r.rid: r.seq.match(r.pos) for r in running}
         pending = [r.seq.prompt_tokens if r.steps == 0 else 1 for r in running]
         infos = [SeqInfo(r.rid, 0.0, max(0, min(cap_sl, limit - r.out - 1)), n, limit - r.out, _draft_lag(r))
                  for r, n in zip(running, pending, strict=True)]

@@ -156,8 +156,8 @@ class ServiceMetrics:
         """A counter by worker fed from the engine's running totals: it grows by what is new."""
         counted = self._counted.setdefault(name, {})
         for role, n in totals.items():
-            if n > counted.get(role, 0):
-                self._inc(name, n - counted.get(role, 0), worker=role)
+            if (new := n - counted.get(role, 0)) > 0:
+                self._inc(name, new, worker=role)
                 counted[role] = n
 
     def on_costs(self, costs: StepCosts) -> None:

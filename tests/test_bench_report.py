@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 from dsde_bench import report
 
@@ -155,9 +157,19 @@ def test_page_names_every_run_that_predates_the_engines_last_change(tmp_path) ->
     head = "## Runs that predate the engine's last change"
     assert head in page and f"last changed in commit {commit[:7]} ({date})" in page
     listed = page.split(head)[1].split("\n## ")[0]
-    assert "- `bench`, test cpu: `make bench-goodput`" in listed
+    assert "- `bench`, test cpu: `make bench-grid`" in listed
     assert "- `dsde_bound_pick`, commit 0000000: `make bench-dsde-bound`" in listed
     assert "`perf`" not in listed
     (res / "bench.json").write_text(json.dumps({**old, "meta": current}))
     (res / "dsde_bound_pick.json").unlink()
     assert head not in report.write(res, tmp_path / "BENCHMARKS.md").read_text()
+
+
+def test_each_stale_run_names_the_make_target_that_measures_it_alone() -> None:
+    """Every results file of `make bench-goodput` names its own part, and every `make X` the page names exists."""
+    makefile = (Path(report.__file__).parent.parent / "Makefile").read_text()
+    assert [report.rerun(n) for n in ("bench", "goodput_lowacc", "goodput_weak", "goodput_batch", "goodput_x")] == [
+        "make bench-grid", "make bench-lowacc", "make bench-weak", "make bench-batch", "make bench-goodput"]
+    for _, cmd in report.RERUN:
+        if cmd.startswith("make "):
+            assert re.search(rf"^{re.escape(cmd.split()[1])}:", makefile, re.M), cmd
