@@ -104,8 +104,8 @@ class AsyncEngine:
 
     def cancel(self, req_id: str) -> None:
         """Cancel a request (a no-op for one that has finished); it is freed at the start of the next step."""
-        self.engine.cancel(req_id)
-        self._wake.set()
+        if self.engine.cancel(req_id):
+            self._wake.set()
 
     async def _outputs(self, req: Request, queue: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
         try:
@@ -115,5 +115,4 @@ class AsyncEngine:
                 if out.finished:
                     return
         finally:
-            if not req.finished:
-                self.cancel(req.req_id)
+            self.cancel(req.req_id)

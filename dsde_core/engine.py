@@ -143,10 +143,16 @@ class Engine:
         if self.vocab_size is not None and not all(0 <= t < self.vocab_size for t in ids):
             raise ConfigError(f"{what} must be in [0, {self.vocab_size})")
 
-    def cancel(self, req_id: str) -> None:
-        """Thread-safe; the request ends (and frees its slot and state) at the start of the next step."""
+    def cancel(self, req_id: str) -> bool:
+        """Thread-safe; the request ends (and frees its slot and state) at the start of the next step. False, a
+        no-op, for a request that has finished or is gone: a consumer can see a final output before the step frees
+        its request, and an idle engine takes no next step to clear the id."""
         with self._lock:
+            r = self.requests.get(req_id)
+            if r is None or r.finished:
+                return False
             self._cancelled.add(req_id)
+            return True
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -440,6 +446,8 @@ class Engine:
 
     def _free(self, r: Request) -> None:
         """Release the slot and every piece of per-request state: engine, both workers, policy."""
+        with self._lock:  # cancelled while it finished
+            self._cancelled.discard(r.req_id)
         if r in self.running:
             self.running.remove(r)
         self._suspects.pop(r.req_id, None)

@@ -179,6 +179,28 @@ def test_cancel_frees_slot_and_all_state() -> None:
     assert len(engine.free_slots) == 2 and not engine.requests
 
 
+def test_cancel_after_the_final_output_leaves_no_id_behind() -> None:
+    # a consumer sees the final output before the step frees its request (the async server's race), and a request
+    # cancelled and then ended another way (an error) must not leave its id to an idle engine's next step either
+    engine = tiny_engine("dsde", batch=2)
+    cancels = []
+
+    def close_on_final(out) -> None:
+        if out.finished:
+            cancels.append(engine.cancel(out.req_id))
+
+    req = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=4), on_output=close_on_final)
+    engine.run()
+    assert req.finish_reason == "length" and cancels == [False]
+    assert engine.cancel(req.req_id) is False and engine.cancel("no-such-request") is False
+    assert engine.state()["cancelling"] == 0
+    other = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=50))
+    engine.step()
+    assert engine.cancel(other.req_id) is True and engine.state()["cancelling"] == 1
+    engine.fail_running("step failed")
+    assert other.finish_reason == "error" and engine.state()["cancelling"] == 0 and not engine.requests
+
+
 def test_temperature_sampling_is_seeded_and_accepts_an_identical_draft() -> None:
     params = SamplingParams(max_tokens=30, temperature=1.0, seed=7)
     eng = tiny_engine("static:4", noise=0.0, draft_top_k=VOCAB)
