@@ -1,11 +1,12 @@
 """The OpenAI-compatible request bodies (pydantic, with bounds) and the error body.
 
-Unknown fields are ignored, as OpenAI-compatible servers do; OpenAI's fields that this server does not implement and
-that would change the answer (`suffix`, `best_of` other than `n`, `tools`, `functions`, a `response_format` other than
-text) are a 400 naming the field, never ignored; so are vLLM's structured-output fields (`guided_json`,
-`guided_regex`, `guided_choice`, `guided_grammar`, `structural_tag`, `structured_outputs`): a client that sends one
-relies on the output following it. Log-probabilities: completions' `logprobs` (0-20
-alternatives; with `echo`, the prompt's too), chat's `logprobs` (true) with `top_logprobs` (0-20). Penalties:
+Unknown fields are ignored, as OpenAI-compatible servers do, and named in a warning in the log (as vLLM does);
+OpenAI's fields that this server does not implement and that would change the answer (`suffix`, `best_of` other
+than `n`, `tools`, `functions`, a `response_format` other than text) are a 400 naming the field, never ignored; so
+are vLLM's structured-output fields (`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`,
+`structural_tag`, `structured_outputs`): a client that sends one relies on the output following it.
+Log-probabilities: completions' `logprobs` (0-20 alternatives; with `echo`, the prompt's too), chat's `logprobs`
+(true) with `top_logprobs` (0-20). Penalties:
 OpenAI's `presence_penalty` and `frequency_penalty` (-2 to 2), and vLLM's `repetition_penalty` (0.01 to 10; 1 is
 none). `logit_bias` (OpenAI's: token id -> bias in [-100, 100], at most 1024 ids). vLLM's `min_p`,
 `min_tokens`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output` and `skip_special_tokens`.
@@ -13,6 +14,7 @@ none). `logit_bias` (OpenAI's: token id -> bias in [-100, 100], at most 1024 ids
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -34,6 +36,7 @@ MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 64  # prompts per completions request (the engine's queue bounds prompts * n too)
 MAX_STOP_CHARS = 256  # per stop string
 GREEDY_BELOW = 1e-5  # a temperature under this is greedy (as in vLLM): 1 / T would overflow the logits
+log = logging.getLogger("ray.serve")
 
 
 class ErrorInfo(BaseModel):
@@ -105,6 +108,9 @@ class _Common(BaseModel):
             fmt = data.get("response_format")
             if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
                 raise ValueError(f"response_format {fmt.get('type')!r} is not supported (only text)")
+            ignored = sorted(str(f) for f in data if f not in cls.model_fields and f not in STRUCTURED)
+            if ignored:  # a client that misspells a field learns it from the log, as vLLM's do
+                log.warning("The request's fields %s are not known and were ignored", ", ".join(ignored))
         return data
 
     @field_validator("stop")

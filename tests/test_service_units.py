@@ -3,6 +3,7 @@ engine), request validation, response shapes, and the README's metrics table."""
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -209,6 +210,19 @@ def test_request_models_bound_their_fields() -> None:
         ChatCompletionRequest(model="m", messages=[])
     with pytest.raises(ValidationError):
         ChatCompletionRequest(model="m", messages=[{"role": "wizard", "content": "x"}])
+
+
+def test_unknown_fields_are_ignored_and_named_in_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    user = [{"role": "user", "content": "hi"}]
+    with caplog.at_level(logging.WARNING, logger="ray.serve"):
+        CompletionRequest(model="m", prompt="hi", max_tokens=3, guided_json=None)
+        ChatCompletionRequest(model="m", messages=user, n=2)
+    assert not caplog.records  # known fields, and a null structured-output field, are not "ignored"
+    with caplog.at_level(logging.WARNING, logger="ray.serve"):
+        req = ChatCompletionRequest(model="m", messages=user, user="u1", max_token=9)
+    assert req.max_tokens is None  # the misspelt field did nothing
+    assert [r.getMessage() for r in caplog.records] == [
+        "The request's fields max_token, user are not known and were ignored"]
 
 
 def _last(finish_reason: str, stats: RequestStats | None = None, stop_reason: int | str | None = None
