@@ -335,8 +335,8 @@ def test_an_empty_pool_explores_with_every_row() -> None:
 
 def test_a_closed_batch_weighs_each_rows_tokens_by_its_remaining_steps() -> None:
     """With requests waiting every token is worth the same (w = 1); in a closed batch (it came to an idle engine, or
-    shrank) a row's tokens are worth its expected remaining steps S_i = remaining_i / (1 + e_i(h_i)) against the
-    batch's mean."""
+    shrank) a row's tokens are worth its share of the batch's expected remaining steps, B * S_i / sum_j S_j with
+    S_i = remaining_i / (1 + e_i(h_i))."""
     cheap = _costs(batch=3, draft=lambda n: 0.005)  # every row drafts
     seqs = [SeqInfo("long", 0.0, 8, remaining=60), SeqInfo("short", 0.0, 8, remaining=12),
             SeqInfo("mid", 0.0, 8, remaining=36)]
@@ -394,6 +394,25 @@ def test_in_a_closed_batch_the_row_about_to_finish_stops_drafting() -> None:
     seqs = [SeqInfo("long", 0.0, 8, remaining=48), SeqInfo("short", 0.0, 8, remaining=4)]
     assert [p.k for p in _with_evidence(costs).plan(seqs, costs, waiting=1)] == [8, 8]
     assert [p.k for p in _with_evidence(costs).plan(seqs, costs, waiting=0)] == [8, 0]
+
+
+def test_a_row_ending_with_this_step_leaves_the_batch_worth_to_the_rows_that_outlast_it() -> None:
+    """A row with one token left ends with this step whatever is drafted: S = 0, and the rows that go on share the
+    batch's worth B. A row with two tokens left beside it weighs 2 and decides as it would alone at batch 1 (as a mean
+    over both rows it weighed 1.1 and left undrafted the token that would have saved the closed batch's last step)."""
+    seqs = [SeqInfo("ending", 0.0, 0, remaining=1), SeqInfo("last", 0.0, 1, remaining=2)]
+    assert _with_evidence(_costs(batch=2)).plan(seqs, _costs(batch=2))[1].worth == 2.0  # (the ending row cannot draft)
+    three = [*seqs, SeqInfo("other", 0.0, 1, remaining=2)]
+    assert [p.worth for p in _with_evidence(_costs(batch=3)).plan(three, _costs(batch=3))[1:]] == [1.5, 1.5]
+    drafts = []
+    for base in np.linspace(0.01, 0.2, 20):
+        def draft(n: int, base: float = base) -> float:
+            return base + 0.005 * (n - 1)
+        beside = _with_evidence(_costs(batch=2, draft=draft)).plan(seqs, _costs(batch=2, draft=draft))[1].k
+        alone = _with_evidence(_costs(batch=1, draft=draft)).plan(seqs[1:], _costs(batch=1, draft=draft))[0].k
+        assert beside == alone, base
+        drafts.append(alone)
+    assert 0 in drafts and 1 in drafts  # the cheap drafts pay, the dear ones do not
 
 
 def test_plans_carry_the_batch_rule_and_each_rows_model() -> None:

@@ -53,13 +53,16 @@ flight: the engine's queue is empty at every plan, yet the batch never shrinks).
 departure that nothing replaced, or a batch of new requests only (as at an idle engine), until a request joins
 running ones again.
 A closed batch only shrinks, and its time is set by the row that finishes last: then the stop rule weighs row i's
-gains by w_i = S_i / mean_j S_j, with S_i = remaining_i / (1 + e_i(h_i)) its expected remaining steps and h_i its
+gains by w_i = B * S_i / sum_j S_j, with S_i = remaining_i / (1 + e_i(h_i)) its expected remaining steps and h_i its
 mean drafted tokens per drafting step, so that the row on the critical path keeps drafting where a row that will
 finish early anyway stops (a closed batch's tail: without it, the rule could switch off the row that then finishes
-alone, at batch 1). (With e_i at the row's ceiling k, 20, a row whose pbar was 0.85 counted 5 accepted tokens a step
-where it reached 1-2, was weighed at 0.67 against rows that drafted worse, and was left out; and with only the
-queue to tell an open batch, a closed-loop client's batch of four was weighed so at every step: chat, T = 1, 3 of 4
-rows drafted in up to 39 of 92 plans.)
+alone, at batch 1). A row with one token left ends with this step: S_i = 0, and the rows that outlast the step share
+the batch's worth B. (As a mean over all rows, a row with two tokens left beside one that was ending weighed 1.1, not
+2, and left its last draft token undrafted: the cell's last step, chat T = 0 batch 4, where one drafted token saves a
+whole step at about its own cost. With e_i at the row's ceiling k, 20, a row whose pbar was 0.85 counted 5 accepted
+tokens a step where it reached 1-2, was weighed at 0.67 against rows that drafted worse, and was left out; and with
+only the queue to tell an open batch, a closed-loop client's batch of four was weighed so at every step: chat, T = 1,
+3 of 4 rows drafted in up to 39 of 92 plans.)
 The sequences picked get k = their engine ceiling, p_next = pbar_i and their acceptance model; the draft worker
 applies the same rule after every level with the confidences it sees (the SL and its cap are consequences of the
 costs). A sequence not picked drafts nothing (its draft cache still advances with the committed tokens: the
@@ -396,16 +399,17 @@ class GoodputPolicy(SpeculationPolicy):
     @staticmethod
     def _worth(seqs: Sequence[SeqInfo], states: Sequence[_State], ks: Sequence[int]) -> list[float]:
         """w_i in a closed batch, what a token of row i is worth against the batch's mean of 1: the batch only
-        shrinks and its time is set by the row that finishes last, so a row's tokens are worth its expected remaining
-        steps against the batch's mean:
-            w_i = S_i / mean_j S_j,     S_i = remaining_i / (1 + e_i(h_i)),     e_i(h) = p_first_i * sum_{m<h} pbar_i^m
-        with h_i its mean drafted tokens per drafting step, rounded, between 1 and k_i (0 where k_i is 0)."""
+        shrinks and its time is set by the row that finishes last, so a row's tokens are worth its share of the
+        batch's expected remaining steps:
+            w_i = B * S_i / sum_j S_j,    S_i = remaining_i / (1 + e_i(h_i)),    e_i(h) = p_first_i * sum_{m<h} pbar_i^m
+        with h_i its mean drafted tokens per drafting step, rounded, between 1 and k_i (0 where k_i is 0). A row with
+        one token left ends with this step whatever is drafted: S_i = 0 (the rows that outlast it share B)."""
         if len(seqs) < 2 or any(s.remaining is None for s in seqs):
             return [1.0] * len(seqs)
-        steps = [s.remaining / (1 + st.accepted_per_step(min(k, max(1, round(st.p_count)))))
-                 for s, st, k in zip(seqs, states, ks, strict=True)]
-        mean = sum(steps) / len(steps)
-        return [x / mean for x in steps] if mean > 0 else [1.0] * len(seqs)
+        steps = [s.remaining / (1 + st.accepted_per_step(min(k, max(1, round(st.p_count))))) if s.remaining > 1
+                 else 0.0 for s, st, k in zip(seqs, states, ks, strict=True)]
+        total = sum(steps)
+        return [len(seqs) * x / total for x in steps] if total > 0 else [1.0] * len(seqs)
 
     @staticmethod
     def _prefill_share(seq: SeqInfo, st: _State, k: int, costs: StepCosts) -> list[float]:
