@@ -58,11 +58,11 @@ mean drafted tokens per drafting step, so that the row on the critical path keep
 finish early anyway stops (a closed batch's tail: without it, the rule could switch off the row that then finishes
 alone, at batch 1). A row with one token left ends with this step: S_i = 0, and the rows that outlast the step share
 the batch's worth B. (As a mean over all rows, a row with two tokens left beside one that was ending weighed 1.1, not
-2, and left its last draft token undrafted: the cell's last step, chat T = 0 batch 4, where one drafted token saves a
-whole step at about its own cost. With e_i at the row's ceiling k, 20, a row whose pbar was 0.85 counted 5 accepted
-tokens a step where it reached 1-2, was weighed at 0.67 against rows that drafted worse, and was left out; and with
-only the queue to tell an open batch, a closed-loop client's batch of four was weighed so at every step: chat, T = 1,
-3 of 4 rows drafted in up to 39 of 92 plans.)
+2, and left its last draft token undrafted: the cell's last step, chat T = 0 batch 4, where one drafted token, at a
+third of a step's time, saves the whole step when accepted. With e_i at the row's ceiling k, 20, a row whose pbar
+was 0.85 counted 5 accepted tokens a step where it reached 1-2, was weighed at 0.67 against rows that drafted worse,
+and was left out; and with only the queue to tell an open batch, a closed-loop client's batch of four was weighed so
+at every step: chat, T = 1, 3 of 4 rows drafted in up to 39 of 92 plans.)
 The sequences picked get k = their engine ceiling, p_next = pbar_i and their acceptance model; the draft worker
 applies the same rule after every level with the confidences it sees (the SL and its cap are consequences of the
 costs). A sequence not picked drafts nothing (its draft cache still advances with the committed tokens: the
