@@ -24,6 +24,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,8 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
 MODEL, KEY = "tiny", "test-key-7f3a"
-BATCH, QUEUE, SEQ = 8, 8, 256  # a short context: schemathesis' longest generations stay short
+BATCH, QUEUE, SEQ = 8, 8, 256  # a short context
+FUZZ_SEQ = 64  # schemathesis' service: its longest generations stay short
 MAX_BYTES = 64 * 1024
 TIMEOUT = 180.0  # any single HTTP request
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import numpy as np\n", "Once upon a time", "SELECT * FROM",
@@ -490,10 +492,28 @@ def test_oversized_bodies_get_413_and_bad_input_a_clear_4xx(svc: Service, refere
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference(PROMPTS[3], 12)
 
 
-def test_schemathesis_finds_no_server_error_and_no_worker_restarts(svc: Service, tmp_path: Path) -> None:
+@pytest.fixture
+def fuzz_svc(cluster: tuple[int, int], tiny_models: tuple[Path, Path]) -> Iterator[Service]:
+    """The reliability service's settings with a 64-token context. A chat request without max_completion_tokens
+    generates to the end of the context (vLLM's rule), and schemathesis sends hundreds: at 256 tokens each took
+    ~10 s here and they were 95% of a run that outlasted 10 min; at 64 the longest is a quarter of that."""
+    from services.app import build_app
+
+    http_port, metrics_port = cluster
+    args = _args(tiny_models, max_seq_len=FUZZ_SEQ, actor_max_restarts=10, worker_wait_s=90, request_timeout_s=150,
+                 max_request_bytes=MAX_BYTES, api_key=KEY, user_config=USER_CONFIG)
+    serve.run(build_app(args), name="fuzz", route_prefix="/fuzz")
+    try:
+        yield Service(f"http://127.0.0.1:{http_port}/fuzz", metrics_port, "fuzz")
+    finally:
+        serve.delete("fuzz")
+
+
+def test_schemathesis_finds_no_server_error_and_no_worker_restarts(fuzz_svc: Service, tmp_path: Path) -> None:
     schemathesis = Path(sys.executable).parent / "schemathesis"
     if not schemathesis.exists():
         pytest.fail("schemathesis is not installed: pip install -e '.[test]'")
+    svc = fuzz_svc
     before, health = svc.state(), json.loads(http_get(f"{svc.base}/health")[1])
     # one worker: with several, schemathesis draws in threads, and CPython 3.11's ast.parse (hypothesis calls it to
     # describe strategies) is not thread-safe: now and then "SystemError: AST constructor recursion depth mismatch"
@@ -503,8 +523,6 @@ def test_schemathesis_finds_no_server_error_and_no_worker_restarts(svc: Service,
            "--request-timeout", "120", "--phases", "examples,coverage,fuzzing", "--generation-database", "none",
            "--no-color", "--suppress-health-check", "all"]
     t0 = time.perf_counter()
-    # 900 s: the run's length follows the machine's speed; at 540 s it timed out once in a clean-clone CI run whose
-    # whole suite took 33 min (18 min the run before, on the same machine), with no server error seen
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     out = proc.stdout + proc.stderr
     phases = [line.strip() for line in out.splitlines() if "(in " in line or "generated" in line]
