@@ -1,6 +1,7 @@
 """Tokens/s through the service (HTTP, streaming) against the in-process engine on the same prompts. Not a test.
 
     .venv/bin/python benchmarks/service_throughput.py [--max-tokens 128] [--batch 8] [--policy dsde] [--rounds 3]
+        [--json results/service_throughput.json]
 
 The embedded pair, greedy, chat prompts, all `--batch` requests at once (continuous batching with batch-size
 slots). In-process (dsde_core's SpeculativeLLM), then `--rounds` times: a local Ray cluster with the app
@@ -23,6 +24,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -118,7 +120,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (both runs; default: all cores)")
     p.add_argument("--worker-niceness", type=int, default=0, help="Ray's worker niceness (default 0, as dsde serve)")
     p.add_argument("--rounds", type=int, default=3, help="service runs, each between two in-process runs")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     args = p.parse_args()
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
@@ -142,13 +144,13 @@ def main() -> int:
     print(f"ratio service / in-process: median {ratio:.3f} of {[round(x, 3) for x in ratios]} (goal >= 0.9); "
           f"identical outputs per service run: {same} of {len(prompts)}")
     if args.json:
-        print(json.dumps({"in_process_tok_s": statistics.median(x[0] for x in local),
+        args.json.write_text(json.dumps({"in_process_tok_s": statistics.median(x[0] for x in local),
                           "in_process_runs": [x[0] for x in local],
                           "service_tok_s": statistics.median(x[0] for x in service),
                           "service_runs": [x[0] for x in service], "ratios": ratios, "ratio": ratio,
                           "tokens": [local[0][2], service[0][2]], "identical": min(same), "batch": len(prompts),
                           "max_tokens": args.max_tokens, "policy": args.policy, "dtype": args.dtype,
-                          "rounds": args.rounds, "meta": run_meta(code)}))
+                          "rounds": args.rounds, "meta": run_meta(code)}, indent=2) + "\n")
     return 0
 
 

@@ -637,8 +637,8 @@ RERUN = (("goodput_lowacc", "make bench-lowacc"), ("goodput_weak", "make bench-w
          ("goodput_batch", "make bench-batch"), ("goodput", "make bench-goodput"), ("bench", "make bench-grid"),
          ("simulate_closed", "make bench-sim-closed"), ("simulate_fp32", "make bench-sim-fp32"),
          ("simulate", "make bench-sim"), ("dsde_bound", "make bench-dsde-bound"), ("perf", "make perf"),
-         ("service_throughput", ".venv/bin/python benchmarks/service_throughput.py --max-tokens 128 --rounds 3 --json "
-                                "> results/service_throughput.json"))
+         ("service_throughput", ".venv/bin/python benchmarks/service_throughput.py --max-tokens 128 --rounds 3 "
+                                "--json results/service_throughput.json"))
 
 
 def and_list(items: Sequence[str]) -> str:
