@@ -144,13 +144,14 @@ def main() -> int:
     print(f"ratio service / in-process: median {ratio:.3f} of {[round(x, 3) for x in ratios]} (goal >= 0.9); "
           f"identical outputs per service run: {same} of {len(prompts)}")
     if args.json:
-        args.json.write_text(json.dumps({"in_process_tok_s": statistics.median(x[0] for x in local),
-                          "in_process_runs": [x[0] for x in local],
-                          "service_tok_s": statistics.median(x[0] for x in service),
-                          "service_runs": [x[0] for x in service], "ratios": ratios, "ratio": ratio,
-                          "tokens": [local[0][2], service[0][2]], "identical": min(same), "batch": len(prompts),
-                          "max_tokens": args.max_tokens, "policy": args.policy, "dtype": args.dtype,
-                          "rounds": args.rounds, "meta": run_meta(code)}, indent=2) + "\n")
+        summary = {"in_process_tok_s": statistics.median(x[0] for x in local),
+                   "in_process_runs": [x[0] for x in local],
+                   "service_tok_s": statistics.median(x[0] for x in service),
+                   "service_runs": [x[0] for x in service], "ratios": ratios, "ratio": ratio,
+                   "tokens": [local[0][2], service[0][2]], "identical": min(same), "batch": len(prompts),
+                   "max_tokens": args.max_tokens, "policy": args.policy, "dtype": args.dtype,
+                   "rounds": args.rounds, "meta": run_meta(code)}
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
     return 0
 
 
