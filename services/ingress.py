@@ -123,16 +123,19 @@ def _check_vocab(actors: Actors) -> None:
 
 
 # ---- the request guard: API key and body size ----------------------------------------------------------
-_guard: dict[str, Any] = {"api_key": None, "max_bytes": 1 << 20, "model": None}  # set by DSDEServer.__init__
+_guard: dict[str, Any] = {"api_key": None, "max_bytes": 1 << 20, "model": None,  # set by DSDEServer.__init__
+                          "max_seq_len": None, "vocab_size": None}
 OPEN_PATHS = frozenset({"/health"})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
-def configure_guard(api_key: str | None, max_bytes: int, model: str | None = None) -> None:
-    """Set this process's guard (and the served name the schema shows). A function, not a dict update in the
-    replica: Serve ships the deployment class by value, so a module dict it names would be a copy; this module's
+def configure_guard(api_key: str | None, max_bytes: int, model: str | None = None, max_seq_len: int | None = None,
+                    vocab_size: int | None = None) -> None:
+    """Set this process's guard (and the served name and limits the schema shows). A function, not a dict update in
+    the replica: Serve ships the deployment class by value, so a module dict it names would be a copy; this module's
     functions are reached by reference."""
-    _guard.update(api_key=api_key, max_bytes=max_bytes, model=model)
+    _guard.update(api_key=api_key, max_bytes=max_bytes, model=model, max_seq_len=max_seq_len, vocab_size=vocab_size)
+    app.openapi_schema = None  # the schema states them: built again at the next read
 
 
 def _route(scope: dict[str, Any]) -> str:
@@ -206,15 +209,46 @@ class RequestGuard:
 app.add_middleware(RequestGuard)
 
 
+def _bound_ints(schema: dict[str, Any], lo: int, hi: int) -> None:
+    """Narrow every integer in a property's schema (its anyOf branches and array items, nested) to [lo, hi]."""
+    if schema.get("type") == "integer":
+        schema["minimum"] = max(schema.get("minimum", lo), lo)
+        schema["maximum"] = min(schema.get("maximum", hi), hi)
+    for sub in schema.get("anyOf", []):
+        _bound_ints(sub, lo, hi)
+    if isinstance(schema.get("items"), dict):
+        _bound_ints(schema["items"], lo, hi)
+
+
 def _openapi() -> dict[str, Any]:
-    """FastAPI's OpenAPI schema, with `model` limited to the served name: the one value that is not a 404, which
-    clients (and schemathesis) can read from the schema."""
+    """FastAPI's OpenAPI schema, with what this replica serves stated where the static models cannot: `model` limited
+    to the served name (the one value that is not a 404: in the bodies and in /v1/models/{model}), token counts to the
+    context window, token ids to the vocabulary. Clients, and schemathesis, read them from the schema instead of
+    meeting them as 4xx."""
     if app.openapi_schema is None:
         schema = FastAPI.openapi(app)
-        for name in ("CompletionRequest", "ChatCompletionRequest"):
-            prop = schema.get("components", {}).get("schemas", {}).get(name, {}).get("properties", {}).get("model")
-            if prop is not None and _guard["model"]:
-                prop["enum"] = [_guard["model"]]
+        models = schema.get("components", {}).get("schemas", {})
+        seq, vocab = _guard["max_seq_len"], _guard["vocab_size"]
+        bounds = {}  # (schema, property) -> (lo, hi) of its integers
+        if seq:  # a prompt holds at least one token
+            bounds |= {(m, p): (0, seq - 1) for m in ("CompletionRequest", "ChatCompletionRequest")
+                       for p in ("max_tokens", "max_completion_tokens", "min_tokens")}
+        if vocab:
+            bounds |= {("CompletionRequest", "prompt"): (0, vocab - 1), ("DetokenizeRequest", "tokens"): (0, vocab - 1)}
+            bounds |= {(m, "stop_token_ids"): (0, vocab - 1) for m in ("CompletionRequest", "ChatCompletionRequest")}
+        for (name, prop_name), (lo, hi) in bounds.items():
+            prop = models.get(name, {}).get("properties", {}).get(prop_name)
+            if prop is not None:
+                _bound_ints(prop, lo, hi)
+        if _guard["model"]:
+            served = [_guard["model"]]
+            for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest"):
+                prop = models.get(name, {}).get("properties", {}).get("model")
+                if prop is not None:
+                    prop["enum"] = served
+            for param in schema.get("paths", {}).get("/v1/models/{model}", {}).get("get", {}).get("parameters", []):
+                if param.get("name") == "model":
+                    param.setdefault("schema", {})["enum"] = served
     return app.openapi_schema
 
 
@@ -310,11 +344,12 @@ class DSDEServer:
     def __init__(self, cfg: ServiceConfig) -> None:
         self.cfg = cfg
         self.model = cfg.served_name
-        configure_guard(cfg.api_key or os.environ.get("DSDE_API_KEY") or None, cfg.max_request_bytes, self.model)
         transport.register()  # the proposals this engine forwards to the target travel packed
         self.policy_config = PolicyConfig(policy=cfg.policy)
         self.actors = start_actors(cfg, self.policy_config)
         _check_vocab(self.actors)
+        configure_guard(cfg.api_key or os.environ.get("DSDE_API_KEY") or None, cfg.max_request_bytes, self.model,
+                        cfg.max_seq_len, self.actors.target_info.vocab_size)
         self.tokenizer = self.actors.target_info.tokenizer
         self._token_bytes = token_bytes(self.tokenizer)  # logprobs' `bytes`: a token's own, not its text's
         self.metrics = ServiceMetrics(self.model)

@@ -258,7 +258,10 @@ class ChatCompletionRequest(_Common):
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: a prompt's token ids, or chat messages' through the chat template."""
 
-    model_config = ConfigDict(extra="ignore")
+    # the schema states the one-of that _one_input checks (a null counts as absent)
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
 
     model: str = Field(min_length=1)
     prompt: str | None = None

@@ -219,6 +219,63 @@ def test_the_step_cost_model_stays_finite_under_a_steady_load() -> None:
     assert 0 < est.step_s([3]) < 1  # no overflow, no nonsense
 
 
+def test_the_schema_states_the_served_model_the_context_window_and_the_vocabulary() -> None:
+    """schemathesis sent bodies the schema allowed and the replica refused: /v1/completions' token ids past the
+    vocabulary and max_tokens past the context window (400, 176 of 178), /tokenize's and /detokenize's unknown models
+    (404). The schema states this replica's name and limits now."""
+    from services.ingress import app, configure_guard
+
+    def props(schema: dict[str, Any], name: str) -> dict[str, Any]:
+        return schema["components"]["schemas"][name]["properties"]
+
+    def ints(prop: dict[str, Any]) -> list[tuple[float, float]]:  # (minimum, maximum) of every integer in it
+        found = [(prop.get("minimum"), prop.get("maximum"))] if prop.get("type") == "integer" else []
+        subs = prop.get("anyOf", []) + ([prop["items"]] if isinstance(prop.get("items"), dict) else [])
+        return found + [b for sub in subs for b in ints(sub)]
+
+    try:
+        configure_guard(None, 1 << 20, "served", max_seq_len=64, vocab_size=100)
+        schema = app.openapi()
+        comp, chat = props(schema, "CompletionRequest"), props(schema, "ChatCompletionRequest")
+        for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest"):
+            assert props(schema, name)["model"]["enum"] == ["served"], name
+        path = schema["paths"]["/v1/models/{model}"]["get"]["parameters"]
+        assert [p["schema"]["enum"] for p in path if p["name"] == "model"] == [["served"]]
+        assert ints(comp["max_tokens"]) == [(1, 63)] and ints(chat["max_completion_tokens"]) == [(1, 63)]
+        assert ints(comp["prompt"]) == [(0, 99), (0, 99)]  # list[int] and list[list[int]]
+        assert ints(props(schema, "DetokenizeRequest")["tokens"]) == [(0, 99)]
+        assert ints(chat["stop_token_ids"]) == [(0, 99)]
+        configure_guard(None, 1 << 20)  # a replica that has not started its model: the static models' bounds
+        bare = props(app.openapi(), "CompletionRequest")
+        assert "enum" not in bare["model"] and ints(bare["max_tokens"]) == [(1, 1 << 20)]
+        assert ints(bare["prompt"]) == [(None, None), (None, None)]
+    finally:
+        configure_guard(None, 1 << 20)
+
+
+def test_the_tokenize_schema_accepts_exactly_the_bodies_the_endpoint_accepts() -> None:
+    """/tokenize takes a prompt or messages, not both and not neither: its schema's oneOf says what its validator
+    checks (schemathesis' bodies were mostly refused while the schema allowed both and neither)."""
+    import jsonschema
+
+    from services.protocol import TokenizeRequest
+
+    schema = TokenizeRequest.model_json_schema()
+    msgs = [{"role": "user", "content": "hi"}]
+    bodies = [{"prompt": "hi"}, {"messages": msgs}, {"prompt": "hi", "messages": None},
+              {"prompt": None, "messages": msgs}, {}, {"prompt": "hi", "messages": msgs}, {"prompt": None},
+              {"prompt": None, "messages": None}]
+    for body in bodies:
+        body = {"model": "m", **body}
+        try:
+            TokenizeRequest.model_validate(body)
+            valid = True
+        except ValidationError:
+            valid = False
+        assert jsonschema.Draft202012Validator(schema).is_valid(body) == valid, body
+    assert sum(jsonschema.Draft202012Validator(schema).is_valid({"model": "m", **b}) for b in bodies) == 4
+
+
 def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token() -> None:
     import torch
 
