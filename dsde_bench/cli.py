@@ -1,5 +1,6 @@
 """`dsde bench`: the policy grid on the in-process engine (default), the trace-driven simulator (--simulate), or an
-HTTP server (--url). Every mode writes results/<mode>.json, a Markdown table, PNG plots, and regenerates
+HTTP server (--url). Every mode writes results/<mode>.json, a Markdown table beside it, PNG plots in results/plots
+(with another --out: the table and the plots beside that file, in <stem>.md and <stem>_plots/), and regenerates
 BENCHMARKS.md from all results/*.json.
 
     dsde bench                                   # small grid: code + mixed, 4 prompts, 32 tokens, batch 1 and 4, T=0,
@@ -178,15 +179,18 @@ def _json_default(x: Any) -> Any:
 
 def _finish(args: argparse.Namespace, doc: dict[str, Any], name: str, plot_fn: Any, table: str) -> int:
     results = Path(args.results_dir)
+    default = results / f"{name}.json"
+    out = Path(args.out) if args.out else default
+    # beside its JSON: a run with another --out leaves the default run's table and plots alone
+    md = out.with_suffix(".md")
+    plot_dir = results / "plots" if out.resolve() == default.resolve() else out.parent / f"{out.stem}_plots"
     plots: list[Path] = []
     if not args.no_plots:
-        plots = plot_fn(doc, results / "plots")
+        plots = plot_fn(doc, plot_dir)
     doc["meta"] = _meta(args.code, plots)
-    out = Path(args.out) if args.out else results / f"{name}.json"
     _write(doc, out)
-    md = out.with_suffix(".md")  # beside its JSON: a run with --out leaves the default run's table alone
     md.write_text(table + "\n")
-    print(f"wrote {md}" + (f" and {len(plots)} plots in {results / 'plots'}" if plots else ""))
+    print(f"wrote {md}" + (f" and {len(plots)} plots in {plot_dir}" if plots else ""))
     if not args.no_report:
         from dsde_bench.report import write
 

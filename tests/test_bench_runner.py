@@ -200,12 +200,13 @@ def test_cli_grid_and_report(tmp_path, capsys) -> None:
     page = md.read_text()
     assert "## Policies on real workloads" in page and "Static-opt" in page and "## Machine" in page
     assert "target-only" in capsys.readouterr().out
-    # a run with --out writes its table beside its JSON and leaves the default run's alone
-    table = (res / "bench.md").read_text()
+    # a run with --out writes its table and plots beside its JSON and leaves the default run's alone
+    table, plot = (res / "bench.md").read_text(), (res / "plots" / "speedup_T0.png").read_bytes()
     assert cli.main(["--tiny", "--workloads", "code", "--policies", "off,dsde:3", "--batch-sizes", "1",
                      "--num-prompts", "1", "--max-tokens", "4", "--no-anchor", "--no-progress", "--no-report",
-                     "--no-plots", "--results-dir", str(res), "--out", str(res / "other.json")]) == 0
-    assert (res / "bench.md").read_text() == table
+                     "--results-dir", str(res), "--out", str(res / "other.json")]) == 0
+    assert (res / "bench.md").read_text() == table and (res / "plots" / "speedup_T0.png").read_bytes() == plot
+    assert (res / "other_plots" / "speedup_T0.png").exists()
     assert "dsde:3" in (res / "other.md").read_text()
     assert {c["policy"] for c in json.loads((res / "other.json").read_text())["cells"]} >= {"off", "dsde:3"}
 
