@@ -67,6 +67,20 @@ def test_a_windowed_draft_is_lossless_and_caches_only_its_window(policy: str, re
     assert sum(r.stats.drafted for r in reqs) > 0
 
 
+def test_draft_logit_noise_weakens_the_draft_and_output_stays_the_targets(reference: list[list[int]]) -> None:
+    """`dsde bench --draft-noise` (issue 7's weak draft): Gaussian noise on the draft's logits lowers acceptance, and
+    the greedy output is the target's all the same."""
+
+    def acceptance(reqs: list) -> float:
+        return sum(r.stats.accepted for r in reqs) / sum(r.stats.drafted for r in reqs)
+
+    clean, noisy = (_run(tiny_engine("static:4", batch=4, draft_logit_noise=n), PROMPTS, MAX_TOKENS) for n in (0, 8))
+    assert [r.output_ids for r in clean] == [r.output_ids for r in noisy] == reference
+    assert acceptance(noisy) < 0.5 * acceptance(clean), (acceptance(clean), acceptance(noisy))  # ~0.38 and ~0.01
+    with pytest.raises(ConfigError, match="draft_logit_noise must be >= 0"):
+        EngineConfig(draft_logit_noise=-1.0)
+
+
 def test_the_draft_window_is_off_by_default_and_refuses_bad_values() -> None:
     """Off unless asked for: the draft's cache starts at the prompt's first token, as without the option; a window
     that is not a positive integer is refused by name."""
