@@ -145,6 +145,30 @@ def test_eos_ends_a_request_before_the_eos_token(reference: list[list[int]]) -> 
     assert req.output_ids == reference[1][:cut] and req.finish_reason == "stop"
 
 
+def test_extra_eos_ids_end_a_request_as_the_models_eos_does(reference: list[list[int]]) -> None:
+    eos = reference[1][3]
+    engine = tiny_engine("static:3", batch=2, extra_eos_ids=(eos,))
+    [req] = _run(engine, [PROMPTS[1]], [MAX_TOKENS[1]])
+    assert req.output_ids == reference[1][: reference[1].index(eos)] and req.finish_reason == "stop"
+
+
+def test_draft_catch_up_feeds_a_sequence_that_never_drafts_every_step(reference: list[list[int]]) -> None:
+    """By default a sequence that has never drafted defers its draft prefill until it drafts; with draft_catch_up the
+    draft takes in its tokens every step all the same (and the output is the target's either way)."""
+    for catch_up in (False, True):
+        engine = tiny_engine("static:4", batch=2, draft_catch_up=catch_up)
+        req = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS[0]), SpeculationParams(enabled=False))
+        for _ in range(4):
+            engine.step()
+            cached = engine.draft.runner.length(req.slot)  # a k = 0 feed leaves the last committed token for the next
+            if catch_up:  # step, which this step's own token joins
+                assert req.num_tokens - 2 <= cached <= req.synced_draft < req.num_tokens, (cached, req.num_tokens)
+            else:
+                assert req.synced_draft == 0 and cached == 0
+        engine.run()
+        assert req.output_ids == reference[0] and req.stats.drafted == 0
+
+
 def test_stop_string_ends_a_request(reference: list[list[int]]) -> None:
     stop = f"<{reference[2][4]}>"
     engine = tiny_engine("static:3", batch=2)
