@@ -54,11 +54,19 @@ def _add_serve(sub: Any) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        from services.launch import LocalServe, serve_forever
+        from services.launch import serve_forever
+        opts = local_serve(args)
     except ImportError as e:
         print(f"dsde: error: `dsde serve` needs the serve extra ({e}); run make setup or "
               f"pip install -e '.[serve]'", file=sys.stderr)
         return 2
+    return serve_forever(opts, log=lambda msg: print(msg, flush=True))
+
+
+def local_serve(args: argparse.Namespace) -> Any:
+    """`dsde serve`'s flags as services.launch.LocalServe: the app's ServiceConfig arguments and the local cluster's."""
+    from services.launch import LocalServe
+
     app_args = {"draft": args.draft, "target": args.target, "model_name": args.model_name, "policy": args.policy,
                 "dtype": args.dtype, "device": args.device, "max_batch_size": args.max_batch_size,
                 "max_seq_len": args.max_seq_len, "num_threads": args.threads,
@@ -70,10 +78,9 @@ def _serve(args: argparse.Namespace) -> int:
         app_args["draft_window"] = args.draft_window
     if args.prefill_chunk is not None:
         app_args["prefill_chunk"] = None if args.prefill_chunk == 0 else args.prefill_chunk
-    opts = LocalServe(app_args, host=args.host, port=args.port, num_cpus=args.num_cpus,
+    return LocalServe(app_args, host=args.host, port=args.port, num_cpus=args.num_cpus,
                       metrics_port=args.metrics_port or None, worker_niceness=args.worker_niceness,
                       prometheus_sd=None if args.prometheus_sd.lower() == "none" else args.prometheus_sd)
-    return serve_forever(opts, log=lambda msg: print(msg, flush=True))
 
 
 def _add_bench(sub: Any) -> None:

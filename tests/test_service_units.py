@@ -394,6 +394,39 @@ def test_dsde_serve_rejects_bad_arguments_before_starting_ray(capsys: pytest.Cap
     assert "already in use" in capsys.readouterr().err
 
 
+def test_every_dsde_serve_flag_reaches_the_service_or_its_cluster() -> None:
+    """A flag that parses but never reaches its setting is silently ignored: each of `dsde serve`'s flags, given a
+    value other than its default, shows up in the app's ServiceConfig or in the local cluster's LocalServe (and a new
+    flag fails this test until it is listed here)."""
+    from dsde_cli.main import local_serve, parser
+    from services.config import ServiceConfig
+
+    given = {  # flag: (value, "cfg" or "local", field, expected)
+        "--draft": ("none", "cfg", "draft", None), "--target": ("/models/t", "cfg", "target", "/models/t"),
+        "--model-name": ("m", "cfg", "model_name", "m"), "--policy": ("static:3", "cfg", "policy", "static:3"),
+        "--dtype": ("float32", "cfg", "dtype", "float32"), "--device": ("cpu", "cfg", "device", "cpu"),
+        "--max-batch-size": ("3", "cfg", "max_batch_size", 3), "--max-seq-len": ("512", "cfg", "max_seq_len", 512),
+        "--draft-window": ("128", "cfg", "draft_window", 128), "--prefill-chunk": ("0", "cfg", "prefill_chunk", None),
+        "--threads": ("1", "cfg", "num_threads", 1), "--num-gpus": ("0.5", "cfg", "target_num_gpus", 0.5),
+        "--api-key": ("k", "cfg", "api_key", "k"), "--max-queue": ("5", "cfg", "max_queue", 5),
+        "--request-timeout": ("9", "cfg", "request_timeout_s", 9.0), "--host": ("0.0.0.0", "local", "host", "0.0.0.0"),
+        "--port": ("9000", "local", "port", 9000), "--metrics-port": ("0", "local", "metrics_port", None),
+        "--prometheus-sd": ("none", "local", "prometheus_sd", None), "--num-cpus": ("3", "local", "num_cpus", 3),
+        "--worker-niceness": ("5", "local", "worker_niceness", 5),
+    }
+    serve = parser()._subparsers._group_actions[0].choices["serve"]
+    flags = {o for a in serve._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+    assert flags == set(given), flags ^ set(given)
+    args = parser().parse_args(["serve", *[x for flag, (value, *_) in given.items() for x in (flag, value)]])
+    opts = local_serve(args)
+    cfg = ServiceConfig.from_args(opts.args)
+    for flag, (_, where, name, expected) in given.items():
+        assert getattr(cfg if where == "cfg" else opts, name) == expected, flag
+    assert cfg.draft_num_gpus == 0.5  # --num-gpus: each model actor's
+    defaults = ServiceConfig.from_args(local_serve(parser().parse_args(["serve", "--prefill-chunk", "256"])).args)
+    assert defaults.prefill_chunk == 256 and defaults.api_key is None and defaults.draft_window is None
+
+
 # ---- documentation ----------------------------------------------------------------------------------
 def test_readme_documents_every_metric() -> None:
     readme = (ROOT / "README.md").read_text()
