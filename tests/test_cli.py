@@ -45,3 +45,43 @@ def test_generate_compare_is_identical_in_fp32_on_the_real_pair() -> None:
     assert stats["drafted"] > 0 and 0 < stats["accepted"] <= stats["drafted"]
     assert stats["target_steps"] < report["target_only"]["stats"]["target_steps"]  # speculation saved steps
     assert report["speedup"] > 0
+
+
+def test_every_generate_flag_reaches_the_sampling_the_engine_or_the_output(monkeypatch, capsys) -> None:
+    """Each of `dsde generate`'s flags, given a value other than its default, reaches what it names (a fake LLM
+    records what the command asks of it; the real pair is the test above). A new flag fails this until listed."""
+    from dsde_core import cli
+    from dsde_core.llm import GenerationResult
+    from dsde_core.request import RequestStats
+
+    calls: dict = {"generate": []}
+
+    class FakeLLM:
+        @classmethod
+        def load(cls, **kw):
+            calls["load"] = kw
+            return cls()
+
+        def generate(self, prompts, params, policy, chat=False):
+            calls["generate"].append((prompts, params, policy, chat))
+            return [GenerationResult("out", [1, 2], 3, "length", RequestStats(steps=2))]
+
+    monkeypatch.setattr(cli, "SpeculativeLLM", FakeLLM)
+    given = {"--policy": "static:3", "--max-tokens": "7", "--temperature": "0.5", "--top-p": "0.9", "--top-k": "5",
+             "--seed": "11", "--presence-penalty": "0.25", "--frequency-penalty": "0.5", "--repetition-penalty": "1.1",
+             "--dtype": "float32", "--device": "cpu", "--threads": "1", "--draft": "d", "--target": "t"}
+    switches = ["--chat", "--compare", "--json"]
+    generate = cli._parser()._subparsers._group_actions[0].choices["generate"]
+    flags = {o for a in generate._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+    assert flags == set(given) | set(switches), flags ^ (set(given) | set(switches))
+    assert cli.main(["generate", "hi", *[x for kv in given.items() for x in kv], *switches]) == 0
+    load = calls["load"]
+    assert (load["draft"], load["target"]) == ("d", "t")
+    assert (load["config"].dtype, load["config"].device, load["config"].num_threads) == ("float32", "cpu", 1)
+    _warm, (prompts, params, policy, chat), (_, base_params, base_policy, _) = calls["generate"]  # --compare: off too
+    assert prompts == ["hi"] and policy == "static:3" and chat is True and base_policy == "off"
+    assert base_params == params
+    assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed) == (7, 0.5, 0.9, 5, 11)
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.25, 0.5, 1.1)
+    report = json.loads(capsys.readouterr().out)  # --json
+    assert report["policy"] == "static:3" and report["identical"] is True and report["target_only"]["text"] == "out"
