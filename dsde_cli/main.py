@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsde_core import cli as core_cli
 from dsde_core.errors import DSDEError
 from dsde_core.models.loader import DEFAULT_DRAFT, DEFAULT_TARGET
 from dsde_core.policies import POLICY_NAMES
+
+if TYPE_CHECKING:
+    from services.launch import LocalServe
 
 
 def _add_serve(sub: Any) -> None:
@@ -63,7 +66,7 @@ def _serve(args: argparse.Namespace) -> int:
     return serve_forever(opts, log=lambda msg: print(msg, flush=True))
 
 
-def local_serve(args: argparse.Namespace) -> Any:
+def local_serve(args: argparse.Namespace) -> LocalServe:
     """`dsde serve`'s flags as services.launch.LocalServe: the app's ServiceConfig arguments and the local cluster's."""
     from services.launch import LocalServe
 

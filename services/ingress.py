@@ -220,6 +220,9 @@ def _bound_ints(schema: dict[str, Any], lo: int, hi: int) -> None:
         _bound_ints(schema["items"], lo, hi)
 
 
+_GENERATE = ("CompletionRequest", "ChatCompletionRequest")  # the request bodies that generate
+
+
 def _openapi() -> dict[str, Any]:
     """FastAPI's OpenAPI schema, with what this replica serves stated where the static models cannot: `model` limited
     to the served name (the one value that is not a 404: in the bodies and in /v1/models/{model}), token counts to the
@@ -228,24 +231,26 @@ def _openapi() -> dict[str, Any]:
     if app.openapi_schema is None:
         schema = FastAPI.openapi(app)
         models = schema.get("components", {}).get("schemas", {})
+
+        def prop(name: str, field: str) -> dict[str, Any] | None:
+            return models.get(name, {}).get("properties", {}).get(field)
+
         seq, vocab = _guard["max_seq_len"], _guard["vocab_size"]
         bounds = {}  # (schema, property) -> (lo, hi) of its integers
         if seq:  # a prompt holds at least one token
-            bounds |= {(m, p): (0, seq - 1) for m in ("CompletionRequest", "ChatCompletionRequest")
-                       for p in ("max_tokens", "max_completion_tokens", "min_tokens")}
+            bounds |= {(m, f): (0, seq - 1) for m in _GENERATE for f in ("max_tokens", "max_completion_tokens",
+                                                                          "min_tokens")}
         if vocab:
             bounds |= {("CompletionRequest", "prompt"): (0, vocab - 1), ("DetokenizeRequest", "tokens"): (0, vocab - 1)}
-            bounds |= {(m, "stop_token_ids"): (0, vocab - 1) for m in ("CompletionRequest", "ChatCompletionRequest")}
-        for (name, prop_name), (lo, hi) in bounds.items():
-            prop = models.get(name, {}).get("properties", {}).get(prop_name)
-            if prop is not None:
-                _bound_ints(prop, lo, hi)
+            bounds |= {(m, "stop_token_ids"): (0, vocab - 1) for m in _GENERATE}
+        for (name, field), (lo, hi) in bounds.items():
+            if (p := prop(name, field)) is not None:
+                _bound_ints(p, lo, hi)
         if _guard["model"]:
             served = [_guard["model"]]
-            for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest"):
-                prop = models.get(name, {}).get("properties", {}).get("model")
-                if prop is not None:
-                    prop["enum"] = served
+            for name in (*_GENERATE, "TokenizeRequest", "DetokenizeRequest"):
+                if (p := prop(name, "model")) is not None:
+                    p["enum"] = served
             for param in schema.get("paths", {}).get("/v1/models/{model}", {}).get("get", {}).get("parameters", []):
                 if param.get("name") == "model":
                     param.setdefault("schema", {})["enum"] = served
