@@ -7,7 +7,8 @@ change between buckets is the machine's, not the engine's.
 Each run is a fresh process (the model loaded anew), since a state can hold for a whole process. On the 2-core AMD
 EPYC of 2026-11-29 the same forward took ~47 ms in some runs and ~72 ms in others, and switched within a run, with
 nothing else on the machine (results/diagnostics/README.md): a cell of a few seconds can fall in either, which is
-why `dsde bench` runs its repeats round-robin over the policies and keeps medians.
+why `dsde bench` runs its repeats round-robin over the policies, keeps medians, and times the same forward before
+and after every round (dsde_bench/probe.py, `probe_ms` in its results).
 """
 
 from __future__ import annotations
@@ -41,21 +42,17 @@ def phases(medians: list[float], gap: float = 0.2) -> list[list[float]]:
 
 def measure(seconds: float, context: int) -> list[tuple[float, float]]:
     """(seconds since start, ms) of one target forward after another, on the default pair's target."""
-    import torch
-
+    from dsde_bench.probe import fixed_forward_ms, prefill_probe
     from dsde_core.config import EngineConfig
     from dsde_core.llm import SpeculativeLLM
 
     runner = SpeculativeLLM.load(draft=None, config=EngineConfig(max_batch_size=1, max_seq_len=context + 8)
                                  ).engine.target.runner
     out = []
-    with torch.inference_mode():
-        runner.forward([0], [list(range(100, 100 + context))], [1])
-        start = time.perf_counter()
-        while (t0 := time.perf_counter()) - start < seconds:
-            runner.forward([0], [[5]], [1])
-            out.append((t0 - start, 1e3 * (time.perf_counter() - t0)))
-            runner.cache.set_length(0, context)
+    prefill_probe(runner, 0, context)
+    start = time.perf_counter()
+    while (t := time.perf_counter() - start) < seconds:
+        out.append((t, fixed_forward_ms(runner, 0, context)))
     return out
 
 

@@ -70,6 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a policy that learns across requests (dsde-goodput) first serves this many other prompts of "
                         "the workload, untimed: the steady state of a server (default 0: a cold start per cell); "
                         "with --simulate, from a trace of those prompts")
+    g.add_argument("--probe-forwards", type=int, default=None,
+                   help="before and after every round, time this many fixed target forwards (the median kept as "
+                        "probe_ms): which rounds ran while the machine was slow (default 3; 0: none; the in-process "
+                        "grid only)")
 
     m = p.add_argument_group("models")
     m.add_argument("--draft", default=None, help="draft model (embedded name, HF directory or .gguf)")
@@ -131,7 +135,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     args.code = provenance.code_version()  # the code the run starts with: the checkout may move on during a run
     try:
-        given = {"--length-spread": bool(args.length_spread), "--draft-window": args.draft_window is not None}
+        given = {"--length-spread": bool(args.length_spread), "--draft-window": args.draft_window is not None,
+                 "--probe-forwards": args.probe_forwards is not None}
         for flag in [f for f, on in given.items() if on and (args.url or args.simulate)]:
             raise ConfigError(f"{flag} runs the in-process grid only (not --url or --simulate)")
         if args.draft_window is not None:
@@ -226,7 +231,8 @@ def _grid_config(args: argparse.Namespace) -> Any:
         num_prompts=args.num_prompts or (FULL_GRID["num_prompts"] if full else 4),
         max_tokens=args.max_tokens or (FULL_GRID["max_tokens"] if full else 32),
         seed=args.seed, max_chars=args.max_chars, anchor=tuple(anchor), ignore_eos=args.ignore_eos,
-        repeats=args.repeats, warm_requests=args.warm_requests, length_spread=args.length_spread)
+        repeats=args.repeats, warm_requests=args.warm_requests, length_spread=args.length_spread,
+        probe_forwards=3 if args.probe_forwards is None else args.probe_forwards)
 
 
 # ---- modes ---------------------------------------------------------------------------------------------------

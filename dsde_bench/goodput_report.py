@@ -28,6 +28,7 @@ from dsde_bench.report import (
 POLICY = "dsde-goodput"
 LOW_ACCEPTANCE_FLOOR = 0.98  # tokens/s against target-only where speculation does not pay
 COLLAPSE = 0.10  # no step down of more than this from one batch size to the next larger one
+PHASE_TOLERANCE = 0.15  # machine probes this close (relative) count as one phase of the machine's speed
 
 
 def _cell(cells: Sequence[dict[str, Any]], policy: str) -> dict[str, Any] | None:
@@ -73,7 +74,38 @@ def _round_plans(cells: Sequence[dict[str, Any]], policy: str) -> str:
         a, b = mine.get(key) or [], other.get(key) or []
         if len(a) == len(b) >= 2:
             parts.append(f"{what} {_fmt_rounds(a, '.2f', '')} against {_fmt_rounds(b, '.2f', '')}")
+    a, b = _slowest_probe(mine), _slowest_probe(other)
+    if len(a) == len(b) >= 2:
+        parts.append(f"machine probe {_fmt_rounds(a, '.0f', '')} against {_fmt_rounds(b, '.0f', ' ms')}")
+        same = _same_phase(cells, policy)
+        if same:
+            parts.append(f"ahead in {sum(r > 1 for r in same)} of the {len(same)} rounds whose two runs' probes "
+                         f"all lie within {PHASE_TOLERANCE:.0%} of each other")
     return "; " + ", ".join(parts) if parts else ""
+
+
+def _slowest_probe(cell: dict[str, Any]) -> list[float]:
+    """The slower of the machine probes (ms, dsde_bench.probe) before and after each round; [] where the run has none
+    (runs before probes were kept) or a round lacks one."""
+    rounds = cell.get("probe_ms") or []
+    if not rounds or any(None in r for r in rounds):
+        return []
+    return [max(r) for r in rounds]
+
+
+def _same_phase(cells: Sequence[dict[str, Any]], policy: str) -> list[float]:
+    """_rounds' ratios of the rounds in which the policy's and dsde-goodput's runs ran in one machine phase: the four
+    probes (before and after each run) within PHASE_TOLERANCE of their smallest. [] without probes."""
+    mine, other = _cell(cells, POLICY) or {}, _cell(cells, policy) or {}
+    ratios, a, b = _rounds(cells, policy), mine.get("probe_ms") or [], other.get("probe_ms") or []
+    if not ratios or len(a) != len(ratios) or len(b) != len(ratios):
+        return []
+    out = []
+    for r, pa, pb in zip(ratios, a, b, strict=True):
+        probes = [*pa, *pb]
+        if None not in probes and max(probes) <= (1 + PHASE_TOLERANCE) * min(probes):
+            out.append(r)
+    return out
 
 
 def _static(cells: Sequence[dict[str, Any]]) -> list[tuple[str, float]]:

@@ -26,6 +26,7 @@ from dsde_bench.metrics import (
     add_static_opt,
     summarize,
 )
+from dsde_bench.probe import machine_probe
 from dsde_bench.recording import RecordingPolicy
 from dsde_bench.workloads import DEFAULT_MAX_CHARS, WORKLOADS, Prompt, load_workload
 from dsde_core.config import SamplingParams
@@ -88,6 +89,9 @@ class GridConfig:
     # request i's max_tokens is max_tokens * (1 - length_spread * u_i), u_i uniform in [0, 1) drawn from (seed, i):
     # with ignore_eos, requests that end apart (as a server's do) instead of a closed batch of equal ones in lockstep
     length_spread: float = 0.0
+    # fixed target forwards timed before and after every round (dsde_bench.probe; 0: none): which rounds ran while the
+    # machine was in a slow phase
+    probe_forwards: int = 3
 
     def __post_init__(self) -> None:
         for w in self.workloads:
@@ -113,6 +117,8 @@ class GridConfig:
             raise ConfigError(f"repeats must be >= 1, got {self.repeats}")
         if self.warm_requests < 0:
             raise ConfigError(f"warm_requests must be >= 0, got {self.warm_requests}")
+        if self.probe_forwards < 0:
+            raise ConfigError(f"probe_forwards must be >= 0, got {self.probe_forwards}")
         if not 0.0 <= self.length_spread < 1.0:
             raise ConfigError(f"length_spread must be in [0, 1), got {self.length_spread}")
         if self.length_spread and self.anchor:
@@ -235,11 +241,13 @@ def run_cell(engine: Engine, policy: str | SpeculationPolicy, prompts: Sequence[
 
 
 class Round(NamedTuple):
-    """One round of a repeated cell: the run, the load average before and after it, its metrics."""
+    """One round of a repeated cell: the run, the load average and the machine probe (ms) before and after it, its
+    metrics."""
 
     run: CellRun
     load: list[float | None]
     metrics: CellMetrics
+    probe: list[float | None]
 
 
 def median_run(rounds: Sequence[Round]) -> Round:
@@ -312,22 +320,26 @@ def run_grid(backend: Backend, cfg: GridConfig, print_fn: Callable[[str], None] 
                 # whose schedule varies from run to run (an online cost model) is not credited with its luckiest
                 runs: dict[str, list[Round]] = {}
                 group: list[dict[str, Any]] = []
+                probe = machine_probe(backend.engine, cfg.probe_forwards)  # each round's "after" the next's "before"
                 for rep in range(cfg.repeats):
                     params = sampling_params(len(ids), lengths, temp, round_seed(cfg.seed, rep, temp), cfg.ignore_eos)
                     for pol in policies:
-                        load0 = _loadavg()
+                        load0, probe0 = _loadavg(), probe
                         run = run_cell(backend.engine, pol, ids, pids, params, bs, cfg.watch, warm)
                         m = summarize(run.records, run.steps, run.wall_s)
-                        runs.setdefault(pol, []).append(Round(run, [load0, _loadavg()], m))
+                        probe = machine_probe(backend.engine, cfg.probe_forwards)
+                        runs.setdefault(pol, []).append(Round(run, [load0, _loadavg()], m, [probe0, probe]))
                         if rep < cfg.repeats - 1:
                             continue
-                        run, load, m = median_run(runs[pol])  # the last round: all of this policy's runs are known
+                        run, load, m, _ = median_run(runs[pol])  # the last round: all of this policy's runs are known
                         # every round's wall time, SL and acceptance: where a policy's rounds differ, they say whether
                         # its plans did or the machine's load (the cell's other figures are the median run's)
                         cell = {**_cell(w, temp, bs, pol, run, m), "loadavg": load, "repeats": cfg.repeats,
                                 "walls_s": [round(r.run.wall_s, 4) for r in runs[pol]],
                                 "sl_means": [round(r.metrics.sl_mean, 3) for r in runs[pol]],
                                 "acceptance_rates": [round(r.metrics.acceptance_rate, 3) for r in runs[pol]]}
+                        if cfg.probe_forwards:  # ms of the fixed forward before and after each round
+                            cell["probe_ms"] = [r.probe for r in runs[pol]]
                         group.append(cell)
                         series += [{"workload": w, "temperature": temp, "batch": bs, "policy": pol, "request": rid,
                                     "steps": rows} for rid, rows in run.series.items()]

@@ -270,3 +270,24 @@ def test_a_scripts_run_records_its_command_machine_and_commit() -> None:
     assert meta["machine"]["cpu_count"] >= 1 and meta["created"][:2] == "20"
     assert provenance.run_meta(None, "dsde bench --x", ["p.png"])["command"] == "dsde bench --x"
     assert provenance.run_meta({"commit": "0" * 40, "modified": False})["changed_during_run"]
+
+
+def test_the_machine_probe_of_each_round_is_shown_and_same_phase_rounds_are_tallied() -> None:
+    """Where a run kept the machine probe (ms of a fixed forward before and after each round), the reading gives the
+    slower of each round's two probes for both policies, and how the rounds compare that ran in one phase of the
+    machine's speed (all four probes within PHASE_TOLERANCE): on a machine whose speed moves in phases, a round in
+    which one policy ran slow and the other fast says nothing about the policies."""
+    cells = [_cell("chat", 4, "off", 10.0), _cell("chat", 4, "static:1", 12.0), _cell("chat", 4, "dsde", 11.0),
+             _cell("chat", 4, "dsde-goodput", 11.7)]
+    cells[1]["walls_s"], cells[3]["walls_s"] = [9.5, 9.6, 9.4], [10.0, 9.2, 9.8]
+    text = goodput_report.reading({"bench": _doc(cells)}, None)
+    assert "(ahead in 1 of 3)" in text and "machine probe" not in text  # runs without probes read as before
+    cells[1]["probe_ms"] = [[48.0, 49.0], [70.0, 71.0], [50.0, 48.0]]
+    cells[3]["probe_ms"] = [[49.0, 70.0], [71.0, 69.0], [48.0, 50.0]]
+    text = goodput_report.reading({"bench": _doc(cells)}, None)
+    # round 1: dsde-goodput's run crossed into the slow phase (70 > 1.15 x 48): not a same-phase round
+    assert ("(ahead in 1 of 3; machine probe 70/71/50 against 49/71/50 ms, ahead in 1 of the 2 rounds whose two runs' "
+            "probes all lie within 15% of each other)") in text
+    cells[3]["probe_ms"][2] = [48.0, None]  # a round without a probe: no probe figures at all
+    text = goodput_report.reading({"bench": _doc(cells)}, None)
+    assert "(ahead in 1 of 3)" in text and "machine probe" not in text

@@ -68,6 +68,17 @@ def test_grid_config_validation() -> None:
     with pytest.raises(ConfigError, match="batch"):
         GridConfig(batch_sizes=(0,))
     assert GridConfig(anchor=()).num_cells() == 2 * 1 * 2 * 6  # workloads x T x batch sizes x policies
+    with pytest.raises(ConfigError, match="probe_forwards"):
+        GridConfig(probe_forwards=-1)
+
+
+def test_probe_forwards_reach_the_grid_config() -> None:
+    def config(*argv: str) -> GridConfig:
+        p = argparse.ArgumentParser()
+        cli.add_arguments(p)
+        return cli._grid_config(p.parse_args(["--tiny", *argv]))
+
+    assert config().probe_forwards == 3 and config("--probe-forwards", "0").probe_forwards == 0
 
 
 @needs_data
@@ -154,10 +165,11 @@ def test_length_spread_runs_every_policy_on_the_same_lengths(backend) -> None:
         assert [r["output_tokens"] for r in c["requests"]] == want
 
 
-def test_length_spread_outside_the_grid_is_a_clear_error(tmp_path, capsys) -> None:
-    for mode in (["--simulate"], ["--url", "http://127.0.0.1:9"]):
-        rc = cli.main(["--tiny", *mode, "--length-spread", "0.5", "--results-dir", str(tmp_path), "--no-report"])
-        assert rc == 2 and "--length-spread runs the in-process grid only" in capsys.readouterr().err
+def test_grid_only_flags_outside_the_grid_are_a_clear_error(tmp_path, capsys) -> None:
+    for flag in (["--length-spread", "0.5"], ["--probe-forwards", "2"]):
+        for mode in (["--simulate"], ["--url", "http://127.0.0.1:9"]):
+            rc = cli.main(["--tiny", *mode, *flag, "--results-dir", str(tmp_path), "--no-report"])
+            assert rc == 2 and f"{flag[0]} runs the in-process grid only" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
 
 
@@ -295,6 +307,13 @@ def test_repeats_keep_the_median_run(backend) -> None:
     off, static = cells
     assert off["sl_means"] == [0.0] * 3 and all(sl > 0 for sl in static["sl_means"])
     assert all(0.0 <= a <= 1.0 for a in static["acceptance_rates"])
+    # the machine probe before and after every round; the rounds ran off, static:2, off, ... and each run's "after" is
+    # the next run's "before"
+    chain = [p for r in range(3) for c in cells for p in c["probe_ms"][r]]
+    assert all(p > 0 for p in chain) and chain[1::2][:-1] == chain[2::2]
+    doc = run_grid(backend, GridConfig(**{**cfg.__dict__, "probe_forwards": 0}), print_fn=lambda s: None,
+                   progress=False)
+    assert not any("probe_ms" in c for c in doc["cells"])
 
 
 @needs_data
@@ -321,7 +340,7 @@ def test_sampled_rounds_draw_new_seeds_shared_by_every_policy(backend, monkeypat
 
 
 def test_median_run_of_an_even_count_is_the_faster_middle_one() -> None:
-    runs = [Round(CellRun([], [], w), [w], None) for w in (3.0, 1.0, 4.0, 2.0)]  # only the wall is read
+    runs = [Round(CellRun([], [], w), [w], None, []) for w in (3.0, 1.0, 4.0, 2.0)]  # only the wall is read
     assert median_run(runs).load == [2.0] and median_run(runs[:3]).load == [3.0] and median_run(runs[:1]).load == [3.0]
     with pytest.raises(ConfigError, match="repeats"):
         GridConfig(repeats=0)
