@@ -59,6 +59,18 @@ def _rounds(cells: Sequence[dict[str, Any]], policy: str) -> list[float]:
     return [x / y for x, y in zip(a, b, strict=True)] if len(a) == len(b) >= 2 else []
 
 
+def _by_round(cells: Sequence[dict[str, Any]], policy: str) -> str:
+    """", a/b/cx by wall time round by round" (_rounds), and where the run kept machine probes, how many of those
+    rounds ran in one phase and how many of them dsde-goodput was ahead in; "" without repeats."""
+    rounds = _rounds(cells, policy)
+    if not rounds:
+        return ""
+    probed = all(len(_slowest_probe(_cell(cells, p) or {})) == len(rounds) for p in (policy, POLICY))
+    same = _same_phase(cells, policy) if probed else None
+    phase = f" (in one machine phase in {len(same)}: ahead in {sum(r > 1 for r in same)})" if same is not None else ""
+    return f", {_fmt_rounds(rounds)} by wall time round by round{phase}"
+
+
 def _fmt_rounds(values: Sequence[float], spec: str = ".3f", unit: str = "x") -> str:
     """One figure a round: "a/b/c" plus the unit (round-by-round ratios by default)."""
     return "/".join(f"{v:{spec}}" for v in values) + unit
@@ -165,16 +177,16 @@ def targets(docs: dict[str, dict[str, Any]]) -> list[tuple[str, str, bool | None
                 same = ("; it drafted nothing, so it ran target-only's forwards token for token: any gap is "
                         "timing noise") if same_schedule(cs, POLICY, "off") else ""
                 out.append((f"low acceptance: >= {LOW_ACCEPTANCE_FLOOR}x target-only, {cell}",
-                            f"{g / off:.3f}x (DSDE {fmt(d / off if d else None, '.3f')}x, best static "
-                            f"{best[0]} {best[1] / off:.3f}x){same}", g / off >= LOW_ACCEPTANCE_FLOOR))
+                            f"{g / off:.3f}x{_by_round(cs, 'off')} (DSDE {fmt(d / off if d else None, '.3f')}x, best "
+                            f"static {best[0]} {best[1] / off:.3f}x){same}", g / off >= LOW_ACCEPTANCE_FLOOR))
                 continue
             if best and d is not None:  # a throughput target: against the static k of the best tokens/s
                 so_k, so_t = best
                 ok = g > max(so_t, d) if w == "mixed" else g >= max(so_t, d)
                 rel = ">" if w == "mixed" else ">="
                 by_lat = f", {v.latency:.3f}x by mean latency" if v.latency else ""
-                rounds, d_rounds = v.rounds[so_k], v.behind().get("dsde", [])  # DSDE's where it is behind
-                by_round = f", {_fmt_rounds(rounds)} by wall time round by round" if rounds else ""
+                d_rounds = v.behind().get("dsde", [])  # DSDE's where it is behind
+                by_round = _by_round(cs, so_k)
                 d_by_round = f" ({_fmt_rounds(d_rounds)} round by round)" if d_rounds else ""
                 out.append((f"{rel} Static-opt and DSDE+cap, {cell}",
                             f"{g / so_t:.3f}x Static-opt by tokens/s ({so_k}){by_lat}{by_round}, {g / d:.3f}x DSDE"

@@ -291,3 +291,22 @@ def test_the_machine_probe_of_each_round_is_shown_and_same_phase_rounds_are_tall
     cells[3]["probe_ms"][2] = [48.0, None]  # a round without a probe: no probe figures at all
     text = goodput_report.reading({"bench": _doc(cells)}, None)
     assert "(ahead in 1 of 3)" in text and "machine probe" not in text
+
+
+def test_the_targets_give_the_rounds_and_those_in_one_machine_phase() -> None:
+    """A target's figure gives the round-by-round walls against the policy it is judged by (the best static k, or
+    target-only in the low-acceptance regime) and, where the run kept machine probes, in how many rounds both runs
+    ran in one phase and how many of those dsde-goodput was ahead in."""
+    cells = [_cell("chat", 4, "off", 10.0, 1.0), _cell("chat", 4, "static:2", 8.0, 1.0),
+             _cell("chat", 4, "dsde", 7.0, 1.0), _cell("chat", 4, "dsde-goodput", 9.5, 1.0)]
+    cells[0]["walls_s"], cells[3]["walls_s"] = [10.0, 10.0, 8.0], [10.5, 9.0, 10.0]
+    [(name, figure, ok)] = goodput_report.targets({"bench": _doc(cells)})
+    assert name.startswith("low acceptance") and ok is False
+    assert figure.startswith("0.950x, 0.952/1.111/0.800x by wall time round by round (DSDE")
+    cells[0]["probe_ms"] = [[70.0, 72.0], [48.0, 50.0], [50.0, 49.0]]
+    cells[3]["probe_ms"] = [[71.0, 70.0], [70.0, 71.0], [48.0, 49.0]]  # round 2: dsde-goodput's run in the slow phase
+    [(_, figure, _)] = goodput_report.targets({"bench": _doc(cells)})
+    assert "0.952/1.111/0.800x by wall time round by round (in one machine phase in 2: ahead in 0) (DSDE" in figure
+    cells[3]["probe_ms"] = [[71.0, 70.0], [70.0, 71.0]]  # rounds that do not pair up: no phase tally
+    [(_, figure, _)] = goodput_report.targets({"bench": _doc(cells)})
+    assert "round by round (DSDE" in figure
