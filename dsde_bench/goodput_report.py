@@ -60,15 +60,10 @@ def _rounds(cells: Sequence[dict[str, Any]], policy: str) -> list[float]:
 
 
 def _by_round(cells: Sequence[dict[str, Any]], policy: str) -> str:
-    """", a/b/cx by wall time round by round" (_rounds), and where the run kept machine probes, how many of those
-    rounds ran in one phase and how many of them dsde-goodput was ahead in; "" without repeats."""
-    rounds = _rounds(cells, policy)
-    if not rounds:
-        return ""
-    probed = all(len(_slowest_probe(_cell(cells, p) or {})) == len(rounds) for p in (policy, POLICY))
-    same = _same_phase(cells, policy) if probed else None
-    phase = f" (in one machine phase in {len(same)}: ahead in {sum(r > 1 for r in same)})" if same is not None else ""
-    return f", {_fmt_rounds(rounds)} by wall time round by round{phase}"
+    """", a/b/cx by wall time round by round" (_rounds), with the phase tally where the run kept machine probes; ""
+    without repeats."""
+    rounds, tally = _rounds(cells, policy), _phase_tally(cells, policy)
+    return f", {_fmt_rounds(rounds)} by wall time round by round" + (f" ({tally})" if tally else "") if rounds else ""
 
 
 def _fmt_rounds(values: Sequence[float], spec: str = ".3f", unit: str = "x") -> str:
@@ -86,13 +81,9 @@ def _round_plans(cells: Sequence[dict[str, Any]], policy: str) -> str:
         a, b = mine.get(key) or [], other.get(key) or []
         if len(a) == len(b) >= 2:
             parts.append(f"{what} {_fmt_rounds(a, '.2f', '')} against {_fmt_rounds(b, '.2f', '')}")
-    a, b = _slowest_probe(mine), _slowest_probe(other)
-    if len(a) == len(b) >= 2:
-        parts.append(f"machine probe {_fmt_rounds(a, '.0f', '')} against {_fmt_rounds(b, '.0f', ' ms')}")
-        same = _same_phase(cells, policy)
-        if same:
-            parts.append(f"ahead in {sum(r > 1 for r in same)} of the {len(same)} rounds whose two runs' probes "
-                         f"all lie within {PHASE_TOLERANCE:.0%} of each other")
+    if tally := _phase_tally(cells, policy):
+        a, b = _slowest_probe(mine), _slowest_probe(other)
+        parts += [f"machine probe {_fmt_rounds(a, '.0f', '')} against {_fmt_rounds(b, '.0f', ' ms')}", tally]
     return "; " + ", ".join(parts) if parts else ""
 
 
@@ -105,19 +96,17 @@ def _slowest_probe(cell: dict[str, Any]) -> list[float]:
     return [max(r) for r in rounds]
 
 
-def _same_phase(cells: Sequence[dict[str, Any]], policy: str) -> list[float]:
-    """_rounds' ratios of the rounds in which the policy's and dsde-goodput's runs ran in one machine phase: the four
-    probes (before and after each run) within PHASE_TOLERANCE of their smallest. [] without probes."""
-    mine, other = _cell(cells, POLICY) or {}, _cell(cells, policy) or {}
-    ratios, a, b = _rounds(cells, policy), mine.get("probe_ms") or [], other.get("probe_ms") or []
-    if not ratios or len(a) != len(ratios) or len(b) != len(ratios):
-        return []
-    out = []
-    for r, pa, pb in zip(ratios, a, b, strict=True):
-        probes = [*pa, *pb]
-        if None not in probes and max(probes) <= (1 + PHASE_TOLERANCE) * min(probes):
-            out.append(r)
-    return out
+def _phase_tally(cells: Sequence[dict[str, Any]], policy: str) -> str:
+    """"ahead in k of the n rounds run in one machine phase": _rounds' rounds in which the policy's and dsde-goodput's
+    runs ran in one phase of the machine's speed (their four probes, before and after each run, within
+    PHASE_TOLERANCE of the smallest). "" where either run lacks a round's probe."""
+    mine, other, rounds = _cell(cells, POLICY) or {}, _cell(cells, policy) or {}, _rounds(cells, policy)
+    if not rounds or not len(_slowest_probe(mine)) == len(_slowest_probe(other)) == len(rounds):
+        return ""
+    same = [r for r, pa, pb in zip(rounds, mine["probe_ms"], other["probe_ms"], strict=True)
+            if max(*pa, *pb) <= (1 + PHASE_TOLERANCE) * min(*pa, *pb)]
+    return (f"ahead in {sum(r > 1 for r in same)} of the {len(same)} rounds run in one machine phase (probes within "
+            f"{PHASE_TOLERANCE:.0%})")
 
 
 def _static(cells: Sequence[dict[str, Any]]) -> list[tuple[str, float]]:
