@@ -89,13 +89,24 @@ def cells_table(cells: Sequence[dict[str, Any]], cols: Sequence[tuple[str, str, 
                 name: Callable[[dict[str, Any]], str] | None = None) -> str:
     rows = []
     with_load = any(c.get("loadavg") for c in cells)
+    with_probe = any(c.get("probe_ms") for c in cells)
     for c in sorted(cells, key=lambda c: _order(c["policy"])):
         m = c["metrics"]
         row = [name(c) if name else c.get("label", c["policy"]), *(fmt(m.get(k), f) for _, k, f in cols)]
         if with_load:
             row.append(fmt(max((x for x in c.get("loadavg") or [] if x is not None), default=None), ".1f"))
+        if with_probe:
+            row.append(_probe_range(c))
         rows.append(row)
-    return md_table(["policy", *(h for h, _, _ in cols), *(["load"] if with_load else [])], rows)
+    extra = (["load"] if with_load else []) + (["probe ms"] if with_probe else [])
+    return md_table(["policy", *(h for h, _, _ in cols), *extra], rows)
+
+
+def _probe_range(cell: dict[str, Any]) -> str:
+    """"lo-hi" of the machine probes (ms) before and after every round of the cell (runner.GridConfig.probe_forwards);
+    a wide range: some rounds ran in another phase of the machine's speed. "-" without probes."""
+    ms = [x for r in cell.get("probe_ms") or [] for x in r if x is not None]
+    return f"{min(ms):.0f}-{max(ms):.0f}" if ms else "-"
 
 
 def bench_tables(doc: dict[str, Any]) -> str:
@@ -278,6 +289,9 @@ def bench_section(doc: dict[str, Any], others: dict[str, dict[str, Any]] | None 
     tgt = md_table(["target", "figure", "met"], [(a, b, fmt(c)) for a, b, c in targets]) if targets else \
         "(this run has no cells that speak to the targets)"
     plots = "\n".join(f"![{p}]({p})" for p in meta.get("plots", []))
+    probe = ("\nprobe ms = the lowest and highest machine probe of the cell's rounds (one fixed target forward, timed "
+             "before and\nafter every round: a wide range means some rounds ran while the machine was slower; "
+             "`dsde_bench/probe.py`).") if any(c.get("probe_ms") for c in doc["cells"]) else ""
     return f"""## Policies on real workloads (`dsde bench`)
 
 Command: `{meta.get('command', 'dsde bench')}` ({fmt(doc.get('elapsed_s'), '.0f')} s).
@@ -292,7 +306,8 @@ accepted / drafted tokens; MAL = tokens emitted per target step; target fwd/tok 
 per output token per sequence; SL = tokens proposed per step. Static-opt = the static k with the lowest mean latency
 in that cell's sweep (chosen in hindsight on the same prompts, which favours it). transformers rows: batch 1, its
 own generate loop on the same weights. load = the machine's 1-minute load average around the cell (this process
-alone accounts for about its thread count; more means other work shared the CPU and the cell's times are inflated).
+alone accounts for about its thread count; more means other work shared the CPU and the cell's times are
+inflated).{probe}
 
 ### Targets of issue 4
 

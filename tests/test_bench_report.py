@@ -173,3 +173,18 @@ def test_each_stale_run_names_the_make_target_that_measures_it_alone() -> None:
     for _, cmd in report.RERUN:
         if cmd.startswith("make "):
             assert re.search(rf"^{re.escape(cmd.split()[1])}:", makefile, re.M), cmd
+
+
+def test_the_probe_column_gives_each_cells_range_of_machine_probes() -> None:
+    """A run that kept machine probes (probe_ms: before and after every round) gets a "probe ms" column, the lowest
+    and highest probe of each cell, and the column's meaning under the grid; a run without probes reads as before."""
+    doc = _bench_doc()
+    assert "probe ms" not in report.bench_section(doc)
+    doc["cells"][0]["probe_ms"] = [[74.2, 76.0], [76.0, 49.6]]
+    doc["cells"][1]["probe_ms"] = [[75.0, None]]  # a round without a probe counts with what it has
+    text = report.bench_section(doc)
+    assert "probe ms = the lowest and highest machine probe" in text
+    first = text.split("#### code, T=0, batch 1")[1].split("####")[0]  # the cells' group: code, batch 1
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in first.splitlines() if line.endswith(" |")}
+    assert rows["off"].endswith("| 50-76 |") and rows["static:2"].endswith("| 75-75 |")
+    assert rows["dsde"].endswith("| - |")  # a cell of the same table without probes
