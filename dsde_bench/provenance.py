@@ -21,14 +21,32 @@ def _git(*args: str, repo: Path = CHECKOUT) -> subprocess.CompletedProcess[str] 
         return None
 
 
-def code_version() -> dict[str, Any] | None:
-    """The commit the figures were measured with, and whether code differed from it (changes under results/ and to
-    BENCHMARKS.md do not count: a grid of several runs writes them as it goes); None outside a git checkout."""
-    commit = _git("rev-parse", "HEAD")
-    changed = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!results", ":!BENCHMARKS.md")
+# not code: what a grid of several runs writes as it goes (results/, BENCHMARKS.md), and the docs (*.md)
+NOT_CODE = (":!results", ":!*.md")
+
+
+def code_version(repo: Path = CHECKOUT) -> dict[str, Any] | None:
+    """The commit the figures were measured with, and whether code differed from it (NOT_CODE does not count); None
+    outside a git checkout."""
+    commit = _git("rev-parse", "HEAD", repo=repo)
+    changed = _git("status", "--porcelain", "--untracked-files=no", "--", ".", *NOT_CODE, repo=repo)
     if commit is None or changed is None or commit.returncode != 0 or changed.returncode != 0:
         return None
     return {"commit": commit.stdout.strip(), "modified": bool(changed.stdout.strip())}
+
+
+def changed_since(code: dict[str, Any] | None, repo: Path = CHECKOUT) -> bool:
+    """Whether the checkout's code differs from `code` (an earlier code_version()): commits since then that change
+    code (NOT_CODE does not count), or uncommitted changes then or now but not both. Outside a git checkout then and
+    now: False."""
+    now = code_version(repo)
+    if code is None or now is None:
+        return code != now
+    if now["commit"] != code["commit"]:
+        diff = _git("diff", "--quiet", code["commit"], now["commit"], "--", ".", *NOT_CODE, repo=repo)
+        if diff is None or diff.returncode != 0:  # 1: code changed; 128: a commit this checkout lacks
+            return True
+    return now["modified"] != code["modified"]
 
 
 def run_meta(code: dict[str, Any] | None, command: str | None = None, plots: Sequence[str] = ()) -> dict[str, Any]:
@@ -38,7 +56,7 @@ def run_meta(code: dict[str, Any] | None, command: str | None = None, plots: Seq
     from dsde_bench.backend import machine_info  # torch: only where a run has just used it
 
     return {"command": command or "python " + shlex.join(sys.argv), "machine": machine_info(), "code": code,
-            "changed_during_run": code != code_version(),
+            "changed_during_run": changed_since(code),
             "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "plots": list(plots)}
 
 

@@ -311,3 +311,35 @@ def test_the_targets_give_the_rounds_and_those_in_one_machine_phase() -> None:
     cells[3]["probe_ms"] = [[71.0, 70.0], [70.0, 71.0]]  # rounds that do not pair up: no phase tally
     [(_, figure, _)] = goodput_report.targets({"bench": _doc(cells)})
     assert "round by round (DSDE" in figure
+
+
+def test_docs_are_not_code_to_a_runs_provenance(tmp_path: Path) -> None:
+    """A run's meta says "modified" or "changed during the run" only for code: an uncommitted or newly committed
+    README (any *.md) or results file does not count; a source file does, and so does a commit the checkout lacks."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    def write(path: str, text: str) -> None:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+
+    git("init", "-q")
+    for path in ("README.md", "dsde_bench/runner.py", "results/bench.json"):
+        write(path, "1\n")
+    git("add", ".")
+    git("commit", "-q", "-m", "start")
+    start = provenance.code_version(tmp_path)
+    assert start is not None and start["modified"] is False
+    write("README.md", "2\n")
+    write("results/bench.json", "2\n")
+    assert provenance.code_version(tmp_path)["modified"] is False  # docs and results: not code
+    assert not provenance.changed_since(start, tmp_path)
+    git("commit", "-q", "-am", "docs and results")
+    assert not provenance.changed_since(start, tmp_path)  # a new commit, but no code in it
+    write("dsde_bench/runner.py", "2\n")
+    assert provenance.code_version(tmp_path)["modified"] is True and provenance.changed_since(start, tmp_path)
+    git("commit", "-q", "-am", "the runner")
+    assert provenance.changed_since(start, tmp_path)  # committed since the run started
+    assert provenance.changed_since({"commit": "0" * 40, "modified": False}, tmp_path)  # a commit it lacks
+    assert not provenance.changed_since(None, tmp_path / "nowhere") and provenance.changed_since(None, tmp_path)

@@ -228,7 +228,7 @@ def test_cli_records_the_code_a_run_started_with(tmp_path, monkeypatch) -> None:
     """A long grid outlives commits made meanwhile: its figures are credited to the commit it started on, and the
     run says the checkout changed under it."""
     versions = iter([{"commit": "a" * 40, "modified": False}, {"commit": "b" * 40, "modified": False}])
-    monkeypatch.setattr(provenance, "code_version", lambda: next(versions))
+    monkeypatch.setattr(provenance, "code_version", lambda repo=None: next(versions))
     res = tmp_path / "results"
     assert cli.main(["--tiny", "--workloads", "code", "--policies", "off", "--batch-sizes", "1", "--num-prompts",
                      "1", "--max-tokens", "4", "--no-anchor", "--no-progress", "--no-report", "--no-plots",
