@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dsde_bench import provenance
+from dsde_bench.probe import PROBE_FORWARDS
 from dsde_bench.workloads import DEFAULT_MAX_CHARS, DataPackageMissing, load_workload, parse_workloads
 from dsde_core.errors import ConfigError, DSDEError
 
@@ -72,8 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with --simulate, from a trace of those prompts")
     g.add_argument("--probe-forwards", type=int, default=None,
                    help="before and after every round, time this many fixed target forwards (the median kept as "
-                        "probe_ms): which rounds ran while the machine was slow (default 3; 0: none; the in-process "
-                        "grid only)")
+                        f"probe_ms): which rounds ran while the machine was slow (default {PROBE_FORWARDS}; 0: none; "
+                        "the in-process grid only)")
 
     m = p.add_argument_group("models")
     m.add_argument("--draft", default=None, help="draft model (embedded name, HF directory or .gguf)")
@@ -232,7 +233,7 @@ def _grid_config(args: argparse.Namespace) -> Any:
         max_tokens=args.max_tokens or (FULL_GRID["max_tokens"] if full else 32),
         seed=args.seed, max_chars=args.max_chars, anchor=tuple(anchor), ignore_eos=args.ignore_eos,
         repeats=args.repeats, warm_requests=args.warm_requests, length_spread=args.length_spread,
-        probe_forwards=3 if args.probe_forwards is None else args.probe_forwards)
+        probe_forwards=PROBE_FORWARDS if args.probe_forwards is None else args.probe_forwards)
 
 
 # ---- modes ---------------------------------------------------------------------------------------------------

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import TYPE_CHECKING
 
-from dsde_core.engine import Engine
-from dsde_core.models.runner import ModelRunner
+if TYPE_CHECKING:  # type hints only: `dsde bench --help` reads PROBE_FORWARDS without loading torch
+    from dsde_core.engine import Engine
+    from dsde_core.models.runner import ModelRunner
 
 PROBE_CONTEXT = 64  # tokens of cache under the timed forward: a short decode step's attention, weights dominate
+PROBE_FORWARDS = 3  # forwards a probe times (its median kept): `dsde bench --probe-forwards`'s default
 
 
 def probe_tokens(n: int, vocab_size: int) -> list[int]:
@@ -37,7 +40,7 @@ def fixed_forward_ms(runner: ModelRunner, slot: int, context: int = PROBE_CONTEX
     return ms
 
 
-def machine_probe(engine: Engine, forwards: int = 3, context: int = PROBE_CONTEXT) -> float | None:
+def machine_probe(engine: Engine, forwards: int = PROBE_FORWARDS, context: int = PROBE_CONTEXT) -> float | None:
     """Median ms of `forwards` fixed target forwards on a free slot of an idle engine (the engine's step log, cost
     tables and policy see none of it; the slot is left empty). None: forwards 0, or no idle in-process target."""
     runner = getattr(engine.target, "runner", None)

@@ -26,7 +26,7 @@ from dsde_bench.metrics import (
     add_static_opt,
     summarize,
 )
-from dsde_bench.probe import machine_probe
+from dsde_bench.probe import PROBE_FORWARDS, machine_probe
 from dsde_bench.recording import RecordingPolicy
 from dsde_bench.workloads import DEFAULT_MAX_CHARS, WORKLOADS, Prompt, load_workload
 from dsde_core.config import SamplingParams
@@ -91,7 +91,7 @@ class GridConfig:
     length_spread: float = 0.0
     # fixed target forwards timed before and after every round (dsde_bench.probe; 0: none): which rounds ran while the
     # machine was in a slow phase
-    probe_forwards: int = 3
+    probe_forwards: int = PROBE_FORWARDS
 
     def __post_init__(self) -> None:
         for w in self.workloads:

@@ -14,6 +14,17 @@ def _cell(w: str, b: int, policy: str, tok_s: float, t: float = 0.0, **extra: An
             "metrics": {"output_tok_s": tok_s, "mean_e2e_s": 1.0 / tok_s, "speedup": 1.0}, **extra}
 
 
+def _git(repo: Path, *args: str) -> str:
+    """A git command in a scratch repository (its own author): its stdout."""
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def _write(repo: Path, path: str, text: str) -> None:
+    (repo / path).parent.mkdir(parents=True, exist_ok=True)
+    (repo / path).write_text(text)
+
+
 def _doc(cells: list[dict[str, Any]]) -> dict[str, Any]:
     return {"cells": cells, "backend": {}, "meta": {"command": "dsde bench ..."}, "elapsed_s": 1.0}
 
@@ -235,12 +246,10 @@ def test_a_commit_marked_figures_unchanged_is_not_a_change_to_the_engine(tmp_pat
     plan); the benchmark's own code and the docs do not. A refactor checked to give identical figures says so in a
     trailer; the runs before it stay current."""
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
-                              capture_output=True, text=True).stdout.strip()
+        return _git(tmp_path, *args)
 
     def commit(text: str, message: str, path: str = "dsde_core/policies/p.py") -> str:
-        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / path).write_text(text)
+        _write(tmp_path, path, text)
         git("add", ".")
         git("commit", "-q", "-m", message)
         return git("rev-parse", "HEAD")
@@ -317,12 +326,10 @@ def test_docs_are_not_code_to_a_runs_provenance(tmp_path: Path) -> None:
     """A run's meta says "modified" or "changed during the run" only for code: an uncommitted or newly committed
     README (any *.md) or results file does not count; a source file does, and so does a commit the checkout lacks."""
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
-                              capture_output=True, text=True).stdout.strip()
+        return _git(tmp_path, *args)
 
     def write(path: str, text: str) -> None:
-        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / path).write_text(text)
+        _write(tmp_path, path, text)
 
     git("init", "-q")
     for path in ("README.md", "dsde_bench/runner.py", "results/bench.json"):
