@@ -150,6 +150,21 @@ def _is_low_acceptance(cells: Sequence[dict[str, Any]]) -> bool:
     return bool(off and statics and max(others) < off)  # a run without static k cannot tell
 
 
+def _same_work(cells: Sequence[dict[str, Any]]) -> str:
+    """The remark on a low-acceptance cell whose median dsde-goodput run drafted nothing (target-only's step schedule):
+    its gap to target-only is then timing, unless other rounds drafted (their SL means, where the run kept them), as
+    the median run alone does not say. "" where the median run drafted."""
+    if not same_schedule(cells, POLICY, "off"):
+        return ""
+    sl = (_cell(cells, POLICY) or {}).get("sl_means") or []
+    drafted = [i for i, s in enumerate(sl, 1) if s > 0]
+    if not drafted:
+        return "; it drafted nothing, so it ran target-only's forwards token for token: any gap is timing noise"
+    return (f"; its median run drafted nothing (target-only's forwards token for token), but it drafted in "
+            f"{and_list([f'round {i}' for i in drafted])} of {len(sl)} (SL mean {_fmt_rounds(sl, '.2f', '')} round by "
+            f"round), so the rounds do not all compare identical work")
+
+
 def targets(docs: dict[str, dict[str, Any]]) -> list[tuple[str, str, bool | None]]:
     out: list[tuple[str, str, bool | None]] = []
     for name, doc in docs.items():
@@ -163,8 +178,7 @@ def targets(docs: dict[str, dict[str, Any]]) -> list[tuple[str, str, bool | None
             cell = f"{w}, T={t:g}, batch {b} ({where})"
             if _is_low_acceptance(cs):
                 best = best or ("-", float("nan"))
-                same = ("; it drafted nothing, so it ran target-only's forwards token for token: any gap is "
-                        "timing noise") if same_schedule(cs, POLICY, "off") else ""
+                same = _same_work(cs)
                 out.append((f"low acceptance: >= {LOW_ACCEPTANCE_FLOOR}x target-only, {cell}",
                             f"{g / off:.3f}x{_by_round(cs, 'off')} (DSDE {fmt(d / off if d else None, '.3f')}x, best "
                             f"static {best[0]} {best[1] / off:.3f}x){same}", g / off >= LOW_ACCEPTANCE_FLOOR))

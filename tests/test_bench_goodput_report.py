@@ -48,6 +48,12 @@ def test_a_low_acceptance_cell_where_it_drafted_nothing_says_the_work_was_target
         c["requests"] = [{"sl": sl}]
     [(_, figure, ok)] = goodput_report.targets({"goodput_weak": _doc(cells)})
     assert ok is False and "0.950x" in figure and "drafted nothing" in figure
+    cells[-1]["sl_means"] = [0.0, 0.0, 0.0]  # no round drafted
+    assert "any gap is timing noise" in goodput_report.targets({"goodput_weak": _doc(cells)})[0][1]
+    cells[-1]["sl_means"] = [2.6, 0.0, 1.3]  # the median run drafted nothing, two other rounds did
+    figure = goodput_report.targets({"goodput_weak": _doc(cells)})[0][1]
+    assert "its median run drafted nothing" in figure and "timing noise" not in figure
+    assert "round 1 and round 3 of 3 (SL mean 2.60/0.00/1.30 round by round)" in figure
     cells[-1]["requests"] = [{"sl": [0, 1, 0]}]  # it drafted once: no such remark
     assert "drafted nothing" not in goodput_report.targets({"goodput_weak": _doc(cells)})[0][1]
 
