@@ -594,14 +594,15 @@ def perf_section(doc: dict[str, Any]) -> str:
     bounds = sorted({n.removeprefix("ours:") for p in doc.get("prompts", {}).values() for n in p
                      if n.startswith("ours:dsde:")})
     head = f"max_tokens {doc.get('max_tokens')}, median of {doc.get('runs')} runs, {doc.get('threads')} threads, greedy"
-    if probes := doc.get("probe_ms"):  # runs since the systems run round-robin (benchmarks/perf.py)
-        head += (", the systems round-robin; machine probe (ms of a fixed target forward, before each round and after "
-                 "the last): " + "; ".join(f"{k} " + "/".join(fmt(x, ".0f") for x in v) for k, v in probes.items()))
+    probes = doc.get("probe_ms") or {}  # runs since the systems run round-robin (benchmarks/perf.py)
+    rounds = (" The systems run round-robin, one run of each a round; the machine probe (ms of a fixed target forward, "
+              "before each round and after the last): " + "; ".join(
+                  f"{k} " + "/".join(fmt(x, ".0f") for x in v) for k, v in probes.items()) + ".") if probes else ""
     provenance = (f" {', '.join(bounds)}: DSDE with its SL bound picked for this machine on seed 2's workload prompts "
                   f"(\"DSDE's SL bound\" above), never on these two prompts." if bounds else "")
     return f"""## Engine performance at batch 1 (`benchmarks/perf.py`, issue 2)
 
-{head}, bf16.{provenance}
+{head}, bf16.{rounds}{provenance}
 "same tokens" compares with our target-only run: in bf16 a near-tie between two tokens can flip with the shape of
 the forward (one token against k + 1 verified at once), after which the texts differ; in fp32 speculative output is
 identical token for token (`dsde generate --compare --dtype float32`, `tests/test_cli.py`).

