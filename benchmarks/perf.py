@@ -74,21 +74,23 @@ def _round_robin(systems: dict[str, Callable[[], list[int]]], runs: int, probe: 
 def _prompt_row(name: str, ids: list[int], llm: SpeculativeLLM, params: SamplingParams, hf_gen,
                 policies: list[str], assistants: tuple, runs: int, probe: Callable[[], float | None]) -> dict:
     """Every system on one prompt; speedups against our own target-only decoding, measured in this run."""
-    systems = {f"ours:{p}": (lambda p=p: llm.generate([ids], params, policy=p)[0].token_ids)
-               for p in ["off", *(p for p in policies if p != "off")]}
+    def ours(policy: str) -> list[int]:
+        return llm.generate([ids], params, policy=policy)[0].token_ids
+
+    systems = {"ours:target-only": lambda: ours("off"),
+               **{f"ours:{p}": (lambda p=p: ours(p)) for p in policies if p != "off"}}
     systems["transformers:generate"] = lambda: hf_gen(ids)
     systems["transformers:assisted"] = lambda: hf_gen(ids, assistants[0])
     systems["transformers:assisted-heuristic"] = lambda: hf_gen(ids, assistants[1])
     rates, outs, probes = _round_robin(systems, runs, probe)
-    base_ids, base = outs["ours:off"], statistics.median(rates["ours:off"])
+    base_ids, base = outs["ours:target-only"], statistics.median(rates["ours:target-only"])
     row: dict = {}
     for sys_name, runs_tok_s in rates.items():
         out, tok_s = outs[sys_name], statistics.median(runs_tok_s)
         k = min(len(out), len(base_ids))
-        label = "ours:target-only" if sys_name == "ours:off" else sys_name
-        row[label] = {"tok_s": tok_s, "identical": out[:k] == base_ids[:k], "speedup": tok_s / base,
-                      "tok_s_runs": runs_tok_s}
-        print(f"{name:6} {label:32} {tok_s:7.2f} {tok_s / base:19.2f}x {row[label]['identical']!s:>15}")
+        row[sys_name] = {"tok_s": tok_s, "identical": out[:k] == base_ids[:k], "speedup": tok_s / base,
+                         "tok_s_runs": runs_tok_s}
+        print(f"{name:6} {sys_name:32} {tok_s:7.2f} {tok_s / base:19.2f}x {row[sys_name]['identical']!s:>15}")
     print(f"{name:6} machine probe ms before each round and after the last: {probes}")
     sys.stdout.flush()
     return {"systems": row, "probe_ms": probes}

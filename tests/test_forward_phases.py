@@ -3,23 +3,16 @@ into the phases a shared machine's speed goes through; bad arguments are a clear
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "forward_phases.py"
+from tests.bench_scripts import BENCHMARKS, script
 
-
-def _module():
-    spec = importlib.util.spec_from_file_location("forward_phases", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+SCRIPT = BENCHMARKS / "forward_phases.py"
 
 
 def test_bucket_medians_and_phases_follow_a_machine_that_changes_speed() -> None:
-    fp = _module()
+    fp = script("forward_phases")
     # 3 s at ~70 ms a forward (one outlier), then 3 s at ~48 ms: two phases, whatever the outlier
     samples = [(0.07 * i, 70.0 + (i % 3)) for i in range(43)] + [(0.07 * 43, 400.0)]
     samples += [(3.0 + 0.048 * i, 48.0 - (i % 2)) for i in range(62)]

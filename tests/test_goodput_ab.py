@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 from pathlib import Path
 
@@ -10,21 +9,15 @@ import pytest
 
 from dsde_core.errors import ConfigError
 from dsde_core.policies import GoodputPolicy, SeqInfo, StaticPolicy
+from tests.bench_scripts import script
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("goodput_ab", ROOT / "benchmarks" / "goodput_ab.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_a_revisions_policy_is_loaded_beside_todays() -> None:
     if subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode != 0:
         pytest.skip("not a git checkout")
-    ab = _module()
+    ab = script("goodput_ab")
     old = ab.build("dsde-goodput@HEAD")
     assert old.name == "dsde-goodput" and type(old) is not GoodputPolicy  # its own module's class
     assert type(old).__module__ == "goodput_at_HEAD"

@@ -3,21 +3,11 @@ warm-up each, interleaved with the others, and the machine probe brackets every 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "perf.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("perf", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.bench_scripts import script
 
 
 def test_systems_run_round_robin_with_a_probe_around_every_round() -> None:
-    perf = _module()
+    perf = script("perf")
     calls: list[str] = []
 
     def system(name: str, n: int):

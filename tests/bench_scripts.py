@@ -1,0 +1,18 @@
+"""The scripts under benchmarks/ (plain scripts, not a package), loaded for tests that call their functions."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def script(name: str) -> ModuleType:
+    """benchmarks/<name>.py, loaded as the module `name`."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
