@@ -7,7 +7,7 @@ import torch
 
 from dsde_core.errors import ConfigError
 from dsde_core.models.llama import LlamaModel
-from dsde_core.models.runner import ModelRunner
+from dsde_core.models.runner import ALONE_Q, ModelRunner
 
 TOL = 1e-4
 
@@ -73,6 +73,47 @@ def test_ragged_prefill_decode_verify_rollback(arch: str, prepack: bool | None, 
     c.runner.reset(0)
     c.seqs[0] = []
     c.forward({0: rand_tokens(g, 12), 3: rand_tokens(g, 2)})
+
+
+def test_long_queries_attend_apart_from_the_rest(arch: str, make_tiny_model, monkeypatch) -> None:
+    """A query longer than ALONE_Q (a prompt) attends in its own SDPA call, over its own keys only; the rows decoding
+    and verifying beside it share one call, padded to their longest. Every logit still equals transformers'."""
+    import dsde_core.models.llama as llama
+
+    calls: list[tuple[int, int, int]] = []  # (sequences, query rows, keys) of each attention call
+    causal: list[int] = []  # query rows of each call with SDPA's own causal mask
+    sdpa = llama.F.scaled_dot_product_attention
+
+    def spy(q: torch.Tensor, k: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        calls.append((q.shape[0], q.shape[2], k.shape[2]))
+        if kwargs.get("is_causal"):
+            assert kwargs.get("attn_mask") is None
+            causal.append(q.shape[2])
+        return sdpa(q, k, *args, **kwargs)
+
+    monkeypatch.setattr(llama.F, "scaled_dot_product_attention", spy)
+    g = torch.Generator().manual_seed(4)
+    c = Checked(make_tiny_model(arch), max_seq_len=256)
+    layers = c.hf.config.num_hidden_layers
+    c.forward({1: rand_tokens(g, 20), 2: rand_tokens(g, 30), 3: rand_tokens(g, 5)})
+    assert set(calls) == {(3, 30, 30)}  # no long query: one call, as always
+    long = ALONE_Q + 26
+    calls.clear()  # a prompt beside a decoding row and a verifying one, between them in the batch's order
+    c.forward({1: rand_tokens(g, 1), 0: rand_tokens(g, long), 3: rand_tokens(g, 4)}, num_logits=[1, 3, 4])
+    assert sorted(calls) == sorted([(1, long, long), (2, 4, 21)] * layers)
+    # from position 0 and inside every window (none for llama), the prompt takes SDPA's causal mask
+    assert causal == ([long] * layers if arch == "llama" else [])
+    calls.clear()  # two prompts (one in a slot that holds tokens already) and a decoding row
+    c.runner.reset(2)
+    c.seqs[2] = []
+    c.forward({2: rand_tokens(g, ALONE_Q + 1), 0: rand_tokens(g, ALONE_Q + 5), 1: rand_tokens(g, 1)})
+    assert sorted(calls) == sorted([(1, ALONE_Q + 1, ALONE_Q + 1), (1, ALONE_Q + 5, long + ALONE_Q + 5), (1, 1, 22)]
+                                   * layers)
+    calls.clear()  # a long prompt alone in the batch
+    c.forward({3: rand_tokens(g, long)})
+    assert set(calls) == {(1, long, long + 9)}
+    for _ in range(2):  # then decode, all rows in one call again
+        c.forward({s: rand_tokens(g, 1) for s in range(4)})
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "mistral"])

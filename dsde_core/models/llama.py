@@ -1,8 +1,9 @@
 """A compact forward pass for the Llama family (Llama, Qwen2, Mistral) over a slot-based KV cache.
 
-Query tokens of all sequences are packed into one [T, hidden] tensor for the linear layers; attention
-scatters them into a padded [B, Qmax] layout, gathers each sequence's keys [0 : len + q_len] from the cache
-and runs SDPA with a boolean mask (in fp32 where every row has one query, on the CPU: Attention.forward).
+Query tokens of all sequences are packed into one [T, hidden] tensor for the linear layers. Attention runs per
+group of sequences (runner.py forms them: a long prompt apart from the rows decoding beside it): it scatters the
+group's queries into a padded [Bg, Qmax] layout, gathers each sequence's keys [0 : len + q_len] from the cache and
+runs SDPA with a boolean mask (in fp32 where every row has one query, on the CPU: Attention.forward).
 The logits are computed only at the rows the caller asks for.
 Weights use transformers' names (model.layers.N.self_attn.q_proj.weight, ...); q/k/v and gate/up are fused
 at load time.
@@ -117,25 +118,34 @@ def rope_inv_freq(args: ModelArgs, config=None) -> tuple[Tensor, float]:
 
 
 @dataclass
+class AttnGroup:
+    """Sequences whose attention is one SDPA call, their queries padded to the group's longest. G = the group's
+    query tokens, Bg its sequences."""
+
+    max_q: int  # Qmax of the group
+    max_k: int  # Kmax = max(len + q_len) over the group
+    masks: dict[int | None, Tensor | None]  # window -> [Bg, 1, Qmax, Kmax] bool (True = attend); None: no mask
+    rows: Tensor | None = None  # [G] rows of T in the group, in order; None: every row of T
+    single: tuple[int, int] | None = None  # one sequence: (slot, len + q_len), its keys read by slicing
+    slots: Tensor | None = None  # [Bg] long; more than one sequence: their keys gathered
+    q_dest: Tensor | None = None  # [G] row in the padded [Bg * Qmax] layout; None when every q_len == Qmax
+    upcast: bool = False  # attention in fp32 (Attention.forward): one query a row, a half dtype, on the CPU
+    causal: bool = False  # one sequence from position 0, no mask: SDPA's is_causal
+
+
+@dataclass
 class Batch:
     """Per-call metadata shared by every layer. T = packed query tokens, B = sequences, N = logits rows."""
 
     input_ids: Tensor  # [T] long
     cos: Tensor  # [T, 1, head_dim] model dtype
     sin: Tensor  # [T, 1, head_dim]
-    num_seqs: int  # B
-    max_q: int  # Qmax
-    max_k: int  # Kmax = max(len + q_len)
-    masks: dict[int | None, Tensor | None]  # window -> [B, 1, Qmax, Kmax] bool (True = attend); None: no mask
+    groups: list[AttnGroup]  # attention: one SDPA call each (a long prompt apart from the rows decoding beside it)
     logits_idx: Tensor  # [N] rows of T whose logits are returned
-    # B == 1: the cache is written and read by slicing.
-    single: tuple[int, int, int] | None = None  # (slot, start, q_len)
-    # B > 1:
-    slots: Tensor | None = None  # [B] long
+    # the cache's writes: B == 1 by slicing (slot, start, q_len); B > 1 by index
+    single: tuple[int, int, int] | None = None
     write_slots: Tensor | None = None  # [T] slot of each query token
     write_pos: Tensor | None = None  # [T] cache position of each query token
-    q_dest: Tensor | None = None  # [T] row in the padded [B * Qmax] layout; None when all q_len == Qmax
-    upcast: bool = False  # attention in fp32 (Attention.forward): one query a row, a half dtype, on the CPU
 
 
 class PackedLinear(nn.Module):
@@ -199,34 +209,43 @@ class Attention(nn.Module):
         qk = qk * b.cos + rotate_half(qk) * b.sin  # RoPE on q and k at once
         q, k = qk[:, :h], qk[:, h:]  # [T, h, hd], [T, kvh, hd]
         v = qkv[:, (h + kvh) * hd :].view(T, kvh, hd)
-        B, Qm = b.num_seqs, b.max_q
         if b.single is not None:
             slot, start, n = b.single
-            end = start + n
-            k_cache[slot, :, start:end] = k.transpose(0, 1)
-            v_cache[slot, :, start:end] = v.transpose(0, 1)
-            keys, vals = k_cache[slot : slot + 1, :, :end], v_cache[slot : slot + 1, :, :end]  # [1, kvh, K, hd]
-            qp = q.transpose(0, 1).unsqueeze(0)  # [1, h, n, hd]
+            k_cache[slot, :, start : start + n] = k.transpose(0, 1)
+            v_cache[slot, :, start : start + n] = v.transpose(0, 1)
         else:
             k_cache[b.write_slots, :, b.write_pos] = k
             v_cache[b.write_slots, :, b.write_pos] = v
-            keys = k_cache[:, :, : b.max_k].index_select(0, b.slots)  # [B, kvh, Kmax, hd]
-            vals = v_cache[:, :, : b.max_k].index_select(0, b.slots)
-            if b.q_dest is not None:
-                q = q.new_zeros(B * Qm, h, hd).index_copy_(0, b.q_dest, q)
-            qp = q.view(B, Qm, h, hd).transpose(1, 2)  # [B, h, Qmax, hd]
-        mask, gqa = b.masks[self.window], kvh != h
-        if b.upcast:
+        if len(b.groups) == 1:
+            return self.o_proj(self._attend(q, b.groups[0], k_cache, v_cache))
+        o = q.new_empty(T, h * hd)
+        for g in b.groups:
+            o.index_copy_(0, g.rows, self._attend(q.index_select(0, g.rows), g, k_cache, v_cache))
+        return self.o_proj(o)
+
+    def _attend(self, q: Tensor, g: AttnGroup, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+        """q [G, h, hd], the group's queries, after the cache holds their keys -> attention output [G, h * hd]."""
+        h, hd, Qm = q.shape[1], q.shape[2], g.max_q
+        Bg = 1 if g.single is not None else g.slots.shape[0]
+        if g.single is not None:
+            slot, end = g.single
+            keys, vals = k_cache[slot : slot + 1, :, :end], v_cache[slot : slot + 1, :, :end]  # [1, kvh, K, hd]
+        else:
+            keys = k_cache[:, :, : g.max_k].index_select(0, g.slots)  # [Bg, kvh, Kmax, hd]
+            vals = v_cache[:, :, : g.max_k].index_select(0, g.slots)
+        if g.q_dest is not None:
+            q = q.new_zeros(Bg * Qm, h, hd).index_copy_(0, g.q_dest, q)
+        qp = q.view(Bg, Qm, h, hd).transpose(1, 2)  # [Bg, h, Qmax, hd]
+        mask, gqa = g.masks[self.window], self.kvh != h
+        if g.upcast:
             # PyTorch's CPU SDPA in bf16 takes a slow path for one query row: 4 rows x 1900 keys, 8.4 ms a layer;
             # two query rows 1.9 ms; this fp32 call, casts included, 1.2 ms. Decode and draft steps are one row.
             o = F.scaled_dot_product_attention(qp.float(), keys.float(), vals.float(), attn_mask=mask, enable_gqa=gqa)
-            o = o.to(x.dtype)
+            o = o.to(q.dtype)
         else:
-            o = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=mask, enable_gqa=gqa)
-        o = o.transpose(1, 2).reshape(B * Qm, h * hd)  # [B * Qmax, h * hd]
-        if b.q_dest is not None:
-            o = o.index_select(0, b.q_dest)  # [T, h * hd]
-        return self.o_proj(o)
+            o = F.scaled_dot_product_attention(qp, keys, vals, attn_mask=mask, is_causal=g.causal, enable_gqa=gqa)
+        o = o.transpose(1, 2).reshape(Bg * Qm, h * hd)  # [Bg * Qmax, h * hd]
+        return o if g.q_dest is None else o.index_select(0, g.q_dest)  # [G, h * hd]
 
 
 class MLP(nn.Module):
