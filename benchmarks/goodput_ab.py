@@ -9,7 +9,9 @@ dsde_core/policies/goodput.py, read with `git show` and loaded beside today's; e
 cell runs as `dsde bench` runs it (the embedded pair in-process, its prompts and seeds, --warm-requests 4 for a
 policy that learns across requests, round-robin rounds with new seeds at T > 0, the closed-loop driver that keeps
 --batch requests in flight). The table prints each policy's median wall time and its tokens/s against target-only
-decoding ("off"), with every round's wall time: compare the ratios, not the seconds (a shared machine).
+decoding ("off"), with every round's wall time: compare the ratios, not the seconds (a shared machine). --out
+keeps, beside the walls, every run's steps (batch, tokens proposed, tokens emitted, a prompt in it, draft and target
+seconds), to see where a change moved the time.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ def main() -> None:
                   sampling_params(len(warm_p), args.max_tokens, args.temperature, args.seed + WARM_SEED_OFFSET, True))
     drive(backend.engine, ids[:2], pids[:2], sampling_params(2, 4, args.temperature, args.seed, True), 2)  # warm-up
     walls: dict[str, list[float]] = {s: [] for s in specs}
+    steps: dict[str, list[list[list[float]]]] = {s: [] for s in specs}  # per spec, per round: the run's steps
     tokens = args.num_prompts * args.max_tokens
     for rnd in range(args.rounds):
         params = sampling_params(len(ids), args.max_tokens, args.temperature,
@@ -97,6 +100,8 @@ def main() -> None:
         for s in specs:
             run = run_cell(backend.engine, build(s), ids, pids, params, args.batch, watch=0, warm=warm)
             walls[s].append(run.wall_s)
+            steps[s].append([[x.batch, sum(x.ks), x.emitted, int(x.prefill), round(x.draft_s, 4), round(x.target_s, 4)]
+                             for x in run.steps])
             print(f"round {rnd} {s:28} {run.wall_s:7.2f} s {tokens / run.wall_s:6.2f} tok/s", flush=True)
     base = statistics.median(walls[specs[0]])
     print(f"\n{args.workload} T={args.temperature:g} b{args.batch}, {args.num_prompts} prompts x {args.max_tokens} "
@@ -105,7 +110,7 @@ def main() -> None:
         med = statistics.median(walls[s])
         print(f"{s:28} median {med:7.2f} s  {base / med:5.3f}x  rounds {' '.join(f'{w:.1f}' for w in walls[s])}")
     if args.out:
-        doc = {"args": vars(args), "walls_s": walls, "meta": run_meta(code)}
+        doc = {"args": vars(args), "walls_s": walls, "steps": steps, "meta": run_meta(code)}
         Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
 
 

@@ -316,6 +316,36 @@ def test_a_draft_prefill_is_weighed_against_the_tokens_left() -> None:
     assert CPU.draft_context(10) == pytest.approx(CPU.draft(11) - CPU.draft(1))
 
 
+def test_new_requests_whose_drafts_pay_draft_from_their_first_plan() -> None:
+    """Behind a draft that earlier requests found good, a batch of new requests (empty draft caches) drafts from its
+    first plan, the prompt step included: whether a row drafts is judged on the whole request, its prefill's share
+    at the step's own goodput. Against the rate warm drafting reached (rho_B B / V(B)), which weighs the share about
+    (1 + e) times, they waited while rho_B decayed. Where the prefill does not pay over the tokens left, they stay
+    off; a row that already drafted is planned as before."""
+    costs = StepCosts(4, CPU.verify_table, CPU.draft_table, context_per_token_s=0.001)
+    pol = GoodputPolicy()
+    for r in range(3):  # earlier requests: every drafted token accepted
+        old = [SeqInfo(f"old{r}.{i}", 0.0, 8, remaining=48) for i in range(4)]
+        for _ in range(6):
+            plans = pol.plan(old, costs)
+            assert all(p.k > 0 for p in plans)
+            _feed(pol, plans, old, lambda k: k, conf=0.95)
+        for s in old:
+            pol.release(s.req_id)
+    assert pol._speedup.get(4) > 2.0  # the rate warm drafting reached, against target-only's
+
+    def first_ks(tag: str, remaining: int, pending: int = 1) -> list[int]:
+        new = [SeqInfo(f"{tag}{i}", 0.0, 8, pending=pending, remaining=remaining, draft_lag=150) for i in range(4)]
+        ks = [p.k for p in pol.plan(new, costs)]
+        for s in new:
+            pol.release(s.req_id)
+        return ks
+
+    assert first_ks("prompt", remaining=48, pending=150) == [8] * 4  # 0.15 s of prefill each: it pays over 48
+    assert first_ks("decode", remaining=47) == [8] * 4
+    assert first_ks("short", remaining=4) == [0] * 4  # ... not over 4
+
+
 def test_an_empty_pool_explores_with_every_row() -> None:
     """Before any sequence has drafted, the pool holds only its priors, and a plan where no row pays its prefill
     would never draft, so never learn. Then every row drafts (requests differ more than one request's steps do);

@@ -42,11 +42,17 @@ requests (a cold row probes only with probe_max tokens left). Four steps were to
 requests of a mixed workload differ more than its steps do, and sixteen steps of one request whose acceptance was
 0.65 left a batch of four, whose drafts the best static k accepted at 0.88, never drafting.
 A sequence whose draft cache is empty (lag_i context tokens: the engine defers a draft's prefill until
-the sequence drafts) also pays its prefill once it drafts; the rule charges it this step's share,
+the sequence drafts) also pays its prefill once it drafts. Whether it drafts at all is the whole request's question:
+the rule runs once on a decode step of this batch, each such row charged this step's share of its prefill,
     fixed_i(h) = C * lag_i * (1 + e_i(h)) / remaining_i,     e_i(h) = p_first_i * sum_{m<h} pbar_i^m
 (the prefill spread over the steps its remaining tokens take while it drafts h tokens a step, e_i(h) accepted tokens
-a step). Charged at its ceiling k_i instead of the h the rule weighs, the share came out twice as large as the SL
-it would draft: a batch of four new requests whose drafts paid stayed off.
+a step), at the step's own goodput (Dinkelbach from target-only's B / V(B) up): so a row drafts where drafting from
+now on, prefill included, beats not drafting. Rows left out draft nothing this step; the rest are planned as warm
+rows, since the prefill is paid whether drafting starts now or a step later and so does not enter the choice of
+when. (Charged at its ceiling k_i instead of the h the rule weighs, the share came out twice as large as the SL it
+would draft: a batch of four new requests whose drafts paid stayed off. Charged against lambda_B below, the rate
+warm drafting reached, it weighed about (1 + e_i) times too much: on code at batch 4 a batch of new requests drafted
+from its third decode step, once rho_B had decayed, where static:8 drafted from the prompt step.)
 Tokens are worth the same in every row while the batch is open: requests wait for a slot (a freed slot is filled at
 once), or the last change to the batch was a request joining running ones (a client that keeps N requests in
 flight: the engine's queue is empty at every plan, yet the batch never shrinks). The batch is closed from a
@@ -292,10 +298,17 @@ class GoodputPolicy(SpeculationPolicy):
         reach = [worth[i] * states[i].p_first / max(states[i].pbar, 1e-6) for i in rows]
         pbar, room = [states[i].pbar for i in rows], [ks[i] for i in rows]
         fixed = [self._prefill_share(seqs[i], states[i], ks[i], costs) for i in rows]
+        if any(f[0] > 0 for f in fixed):  # rows with an empty draft cache draft only where their prefill pays
+            start = self._starts(costs, len(seqs), reach, pbar, room, fixed)
+            keep = [j for j, (f, s) in enumerate(zip(fixed, start, strict=True)) if f[0] == 0 or s]
+            reach, pbar, room = ([x[j] for j in keep] for x in (reach, pbar, room))
+            candidates = [rows[j] for j in keep]
+        else:
+            candidates = rows
         stop = DraftStop(costs, base, self._speedup.get(len(seqs)) * len(seqs) / costs.verify(len(seqs)))
-        stop = replace(stop, goodput=stop.step_goodput(reach, pbar, room, len(seqs), fixed=fixed))
-        go = stop.next_level(reach, pbar, room, 0, fixed=fixed)
-        chosen = {i for i, g in zip(rows, go, strict=True) if g}
+        stop = replace(stop, goodput=stop.step_goodput(reach, pbar, room, len(seqs)))
+        go = stop.next_level(reach, pbar, room, 0)
+        chosen = {i for i, g in zip(candidates, go, strict=True) if g}
         if rows and self._pooled < cfg.explore_steps:  # the pool has little evidence: every row explores (what
             # they learn serves every later request)
             chosen = set(rows)
@@ -410,6 +423,19 @@ class GoodputPolicy(SpeculationPolicy):
                  else 0.0 for s, st, k in zip(seqs, states, ks, strict=True)]
         total = sum(steps)
         return [len(seqs) * x / total for x in steps] if total > 0 else [1.0] * len(seqs)
+
+    @staticmethod
+    def _starts(costs: StepCosts, batch: int, reach: Sequence[float], pbar: Sequence[float], room: Sequence[int],
+                fixed: Sequence[Sequence[float]]) -> list[bool]:
+        """Which rows would draft in a decode step of this batch, each with an empty draft cache paying its prefill's
+        share fixed_i(h), judged at the step's own goodput (from target-only's B / V(B) up: Dinkelbach). With a
+        share spread over the steps its remaining tokens take, that is the whole request's test: drafting from now
+        on, prefill included, beats not drafting. (Against the rate drafting reached before, rho_B B / V(B), the
+        share weighed (1 + e) times too much: a batch of new requests on code waited for rho_B to decay, two steps
+        that drafted nothing, where static:8 drafted from the prompt step.)"""
+        decode = DraftStop(costs, batch, batch / costs.verify(batch))
+        own = replace(decode, goodput=decode.step_goodput(reach, pbar, room, batch, fixed=fixed))
+        return own.next_level(reach, pbar, room, 0, fixed=fixed)
 
     @staticmethod
     def _prefill_share(seq: SeqInfo, st: _State, k: int, costs: StepCosts) -> list[float]:
