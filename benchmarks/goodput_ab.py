@@ -10,8 +10,8 @@ cell runs as `dsde bench` runs it (the embedded pair in-process, its prompts and
 policy that learns across requests, round-robin rounds with new seeds at T > 0, the closed-loop driver that keeps
 --batch requests in flight). The table prints each policy's median wall time and its tokens/s against target-only
 decoding ("off"), with every round's wall time: compare the ratios, not the seconds (a shared machine). --out
-keeps, beside the walls, every run's steps (batch, tokens proposed, tokens emitted, a prompt in it, draft and target
-seconds), to see where a change moved the time.
+keeps, beside the walls, every run's steps as bench.json keeps them (dsde_bench.metrics.StepRow), to see where a
+change moved the time.
 """
 
 from __future__ import annotations
@@ -100,8 +100,7 @@ def main() -> None:
         for s in specs:
             run = run_cell(backend.engine, build(s), ids, pids, params, args.batch, watch=0, warm=warm)
             walls[s].append(run.wall_s)
-            steps[s].append([[x.batch, sum(x.ks), x.emitted, int(x.prefill), round(x.draft_s, 4), round(x.target_s, 4)]
-                             for x in run.steps])
+            steps[s].append([x.row() for x in run.steps])
             print(f"round {rnd} {s:28} {run.wall_s:7.2f} s {tokens / run.wall_s:6.2f} tok/s", flush=True)
     base = statistics.median(walls[specs[0]])
     print(f"\n{args.workload} T={args.temperature:g} b{args.batch}, {args.num_prompts} prompts x {args.max_tokens} "

@@ -321,7 +321,7 @@ def test_new_requests_whose_drafts_pay_draft_from_their_first_plan() -> None:
     first plan, the prompt step included: whether a row drafts is judged on the whole request, its prefill's share
     at the step's own goodput. Against the rate warm drafting reached (rho_B B / V(B)), which weighs the share about
     (1 + e) times, they waited while rho_B decayed. Where the prefill does not pay over the tokens left, they stay
-    off; a row that already drafted is planned as before."""
+    off."""
     costs = StepCosts(4, CPU.verify_table, CPU.draft_table, context_per_token_s=0.001)
     pol = GoodputPolicy()
     for r in range(3):  # earlier requests: every drafted token accepted
