@@ -11,6 +11,12 @@ received, after one warm-up request each. This machine's speed drifts by 10-20% 
 is set against the mean of the in-process runs just before and after it, and the figure is the median of those
 ratios. The goal (issue 3): service >= 0.9 x in-process.
 
+Where the difference goes: in each round, once the app is up and before the burst, the in-process engine runs the
+same prompts again beside the idle cluster (Ray's processes, Serve's controller, proxy and replica, the model
+actors waiting). Its throughput against the in-process runs without a cluster ("idle cluster" ratio) is what the
+cluster's presence costs a run on these cores; the service against it ("path" ratio) is what the service's own
+path costs (actor calls a step, HTTP, streaming, admission).
+
 The cluster runs its workers at nice 0, as `dsde serve` does: at Ray's default of 15 any other busy process
 on the machine starves the model actors and the comparison with the nice-0 in-process run means nothing
 (--worker-niceness 15 restores Ray's default). On a machine shared with other CPU-bound work the ratio is noise.
@@ -88,7 +94,11 @@ async def _burst(url: str, prompts: list[str], max_tokens: int) -> tuple[float, 
     return tokens / seconds, [t for t, _ in results], tokens
 
 
-def through_service(prompts: list[str], args: argparse.Namespace) -> tuple[float, list[str], int]:
+Run = tuple[float, list[str], int]  # tok/s, texts, tokens
+
+
+def through_service(llm: SpeculativeLLM, prompts: list[str], args: argparse.Namespace) -> tuple[Run, Run]:
+    """(the service's burst, the in-process engine's run beside the idle cluster just before it)."""
     import ray
     from ray import serve
 
@@ -105,7 +115,8 @@ def through_service(prompts: list[str], args: argparse.Namespace) -> tuple[float
         app_args = {"model_name": "dsde", "dtype": args.dtype, "policy": args.policy, "num_threads": args.threads,
                     "max_batch_size": len(prompts)}
         serve.run(build_app(app_args), name="bench", route_prefix="/")
-        return asyncio.run(_burst(f"http://127.0.0.1:{port}/v1/chat/completions", prompts, args.max_tokens))
+        beside = in_process(llm, prompts, args)
+        return asyncio.run(_burst(f"http://127.0.0.1:{port}/v1/chat/completions", prompts, args.max_tokens)), beside
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -129,25 +140,36 @@ def main() -> int:
     llm = load_in_process(args, len(prompts))  # stays loaded (idle) while a service runs: ~5 GB beside its actors
     local = [in_process(llm, prompts, args)]
     print(f"in-process: {local[0][2]} tokens, {local[0][0]:.2f} tok/s", flush=True)
-    service, ratios = [], []
+    service, beside, ratios, idle, path = [], [], [], [], []
     for r in range(args.rounds):
-        service.append(through_service(prompts, args))  # Ray is started and stopped around each service run
+        run, run_beside = through_service(llm, prompts, args)  # Ray is started and stopped around each service run
+        service.append(run)
+        beside.append(run_beside)
         local.append(in_process(llm, prompts, args))
         # the machine drifts over minutes: each service run against the mean of the in-process runs around it
-        ratios.append(service[-1][0] / ((local[-2][0] + local[-1][0]) / 2))
+        around = (local[-2][0] + local[-1][0]) / 2
+        ratios.append(service[-1][0] / around)
+        idle.append(beside[-1][0] / around)
+        path.append(service[-1][0] / beside[-1][0])
         print(f"round {r + 1}: service {service[-1][2]} tokens, {service[-1][0]:.2f} tok/s (HTTP streaming, "
-              f"{len(prompts)} at once); in-process after it {local[-1][0]:.2f} tok/s; ratio {ratios[-1]:.3f}",
-              flush=True)
+              f"{len(prompts)} at once); in-process beside the idle cluster {beside[-1][0]:.2f} tok/s, after the "
+              f"cluster {local[-1][0]:.2f} tok/s; ratio {ratios[-1]:.3f} (idle cluster {idle[-1]:.3f}, path "
+              f"{path[-1]:.3f})", flush=True)
     ratio = statistics.median(ratios)
     local_texts = local[0][1]
     same = [sum(a == b for a, b in zip(local_texts, texts, strict=True)) for _, texts, _ in service]
     print(f"ratio service / in-process: median {ratio:.3f} of {[round(x, 3) for x in ratios]} (goal >= 0.9); "
           f"identical outputs per service run: {same} of {len(prompts)}")
+    print(f"of which the idle cluster (in-process beside it / without it): median {statistics.median(idle):.3f}; "
+          f"the service's path (service / in-process beside the cluster): median {statistics.median(path):.3f}")
     if args.json:
         summary = {"in_process_tok_s": statistics.median(x[0] for x in local),
                    "in_process_runs": [x[0] for x in local],
                    "service_tok_s": statistics.median(x[0] for x in service),
                    "service_runs": [x[0] for x in service], "ratios": ratios, "ratio": ratio,
+                   "beside_idle_cluster_runs": [x[0] for x in beside], "idle_cluster_ratios": idle,
+                   "idle_cluster_ratio": statistics.median(idle), "path_ratios": path,
+                   "path_ratio": statistics.median(path),
                    "tokens": [local[0][2], service[0][2]], "identical": min(same), "batch": len(prompts),
                    "max_tokens": args.max_tokens, "policy": args.policy, "dtype": args.dtype,
                    "rounds": args.rounds, "meta": run_meta(code)}

@@ -621,6 +621,10 @@ def service_throughput_section(doc: dict[str, Any]) -> str:
     rounds = (f"{len(service)} service runs, each set against the mean of the in-process runs just before and after "
               f"it; the figure is the median of those ratios (this machine's speed drifts by 10-20% over minutes)."
               if service else "One service run against the mean of the in-process runs before and after it.")
+    split = [] if doc.get("idle_cluster_ratio") is None else [  # runs before 2026-11-29 (evening) lack the split
+        ["in-process beside the idle cluster / in-process (the cluster's presence)",
+         fmt(doc["idle_cluster_ratio"], ".3f")],
+        ["service / in-process beside the idle cluster (the service's path)", fmt(doc.get("path_ratio"), ".3f")]]
     return f"""## The service against the in-process engine (`benchmarks/service_throughput.py`, issue 3)
 
 {doc.get('batch')} chat requests at once, {doc.get('max_tokens')} new tokens each, greedy, policy {doc.get('policy')},
@@ -635,7 +639,8 @@ in their own actors). {rounds} Goal: service >= 0.9x in-process.
         ["service / in-process per run", ", ".join(fmt(r, ".3f") for r in ratios)],
         ["service / in-process", fmt(doc.get("ratio"), ".3f")],
         ["goal met (>= 0.9)", fmt(doc["ratio"] >= 0.9 if doc.get("ratio") is not None else None)],
-        ["outputs identical to in-process (fewest of the runs)", f"{doc.get('identical')}/{doc.get('batch')}"]])}
+        ["outputs identical to in-process (fewest of the runs)", f"{doc.get('identical')}/{doc.get('batch')}"],
+        *split])}
 """
 
 

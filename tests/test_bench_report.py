@@ -123,6 +123,12 @@ def test_service_throughput_section_reads_the_scripts_captured_output(tmp_path) 
     page = report.write(res, tmp_path / "BENCHMARKS.md").read_text()
     assert "| service / in-process | 0.850 |" in page and "| goal met (>= 0.9) | no |" in page, page
     assert "| service / in-process per run | 0.850, 0.759 |" in page and "2 service runs" in page
+    assert "idle cluster" not in page  # a run without the split shows none
+    summary |= {"idle_cluster_ratio": 0.93, "path_ratio": 0.914}
+    (res / "service_throughput.json").write_text(json.dumps(summary))
+    page = report.write(res, tmp_path / "BENCHMARKS.md").read_text()
+    assert "| in-process beside the idle cluster / in-process (the cluster's presence) | 0.930 |" in page, page
+    assert "| service / in-process beside the idle cluster (the service's path) | 0.914 |" in page
 
 
 def test_fp32_validation_is_judged_against_the_tolerance() -> None:

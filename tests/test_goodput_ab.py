@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from dsde_bench.metrics import StepRow
 from dsde_core.errors import ConfigError
 from dsde_core.policies import GoodputPolicy, SeqInfo, StaticPolicy
 from tests.bench_scripts import script
@@ -28,3 +31,23 @@ def test_a_revisions_policy_is_loaded_beside_todays() -> None:
         ab.build("dsde-goodput@no-such-rev")
     with pytest.raises(ConfigError, match="only dsde-goodput takes @REV"):
         ab.build("static:1@HEAD")
+
+
+@pytest.mark.real_models
+def test_out_keeps_every_runs_steps_as_bench_json_does(tmp_path: Path) -> None:
+    """--out: per spec, per round, the run's steps as StepRow rows; over a run they emit every token asked for."""
+    out = tmp_path / "ab.json"
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "goodput_ab.py"), "--policies", "off,static:2",
+                          "--workload", "chat", "--temperature", "0", "--batch", "2", "--num-prompts", "3",
+                          "--max-tokens", "5", "--warm-requests", "1", "--rounds", "2", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert set(doc["walls_s"]) == set(doc["steps"]) == {"off", "static:2"}
+    for spec, rounds in doc["steps"].items():
+        assert len(rounds) == len(doc["walls_s"][spec]) == 2
+        for rows in rounds:
+            steps = [StepRow(*r) for r in rows]
+            assert sum(s.emitted for s in steps) == 3 * 5  # --ignore-eos: every request runs max_tokens
+            assert sum(s.prefill for s in steps) >= 2  # batch 2: the third prompt enters after the first two
+            assert all(s.sum_k == 0 for s in steps) == (spec == "off")
