@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/service_throughput.py [--max-tokens 128] [--batch 8] [--policy dsde] [--rounds 3]
         [--json results/service_throughput.json]
+    .venv/bin/python benchmarks/service_throughput.py --idle-profile 30
 
 The embedded pair, greedy, chat prompts, all `--batch` requests at once (continuous batching with batch-size
 slots). In-process (dsde_core's SpeculativeLLM), then `--rounds` times: a local Ray cluster with the app
@@ -15,7 +16,8 @@ Where the difference goes: in each round, once the app is up and before the burs
 same prompts again beside the idle cluster (Ray's processes, Serve's controller, proxy and replica, the model
 actors waiting). Its throughput against the in-process runs without a cluster ("idle cluster" ratio) is what the
 cluster's presence costs a run on these cores; the service against it ("path" ratio) is what the service's own
-path costs (actor calls a step, HTTP, streaming, admission).
+path costs (actor calls a step, HTTP, streaming, admission). `--idle-profile SECONDS` starts the app alone, leaves it
+idle and prints the CPU each process of the machine took over SECONDS: where the cluster's presence goes.
 
 The cluster runs its workers at nice 0, as `dsde serve` does: at Ray's default of 15 any other busy process
 on the machine starves the model actors and the comparison with the nice-0 in-process run means nothing
@@ -26,10 +28,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -97,8 +101,9 @@ async def _burst(url: str, prompts: list[str], max_tokens: int) -> tuple[float, 
 Run = tuple[float, list[str], int]  # tok/s, texts, tokens
 
 
-def through_service(llm: SpeculativeLLM, prompts: list[str], args: argparse.Namespace) -> tuple[Run, Run]:
-    """(the service's burst, the in-process engine's run beside the idle cluster just before it)."""
+@contextlib.contextmanager
+def serving(batch: int, args: argparse.Namespace) -> Iterator[str]:
+    """A local Ray cluster with the app up (as `dsde serve` starts it); yields its chat completions URL."""
     import ray
     from ray import serve
 
@@ -113,13 +118,47 @@ def through_service(llm: SpeculativeLLM, prompts: list[str], args: argparse.Name
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app_args = {"model_name": "dsde", "dtype": args.dtype, "policy": args.policy, "num_threads": args.threads,
-                    "max_batch_size": len(prompts)}
+                    "max_batch_size": batch}
         serve.run(build_app(app_args), name="bench", route_prefix="/")
-        beside = in_process(llm, prompts, args)
-        return asyncio.run(_burst(f"http://127.0.0.1:{port}/v1/chat/completions", prompts, args.max_tokens)), beside
+        yield f"http://127.0.0.1:{port}/v1/chat/completions"
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def through_service(llm: SpeculativeLLM, prompts: list[str], args: argparse.Namespace) -> tuple[Run, Run]:
+    """(the service's burst, the in-process engine's run beside the idle cluster just before it)."""
+    with serving(len(prompts), args) as url:
+        beside = in_process(llm, prompts, args)
+        return asyncio.run(_burst(url, prompts, args.max_tokens)), beside
+
+
+def idle_profile(seconds: float, args: argparse.Namespace) -> None:
+    """CPU each process of the machine takes while the app is up and idle (every process, this one included:
+    Ray's are named by their command line's first words)."""
+    import psutil
+
+    with serving(args.batch, args):
+        time.sleep(5)  # past start-up's tail
+        procs = list(psutil.process_iter(["pid", "cmdline", "name"]))
+        before = {}
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                before[p.pid] = sum(p.cpu_times()[:2])
+        time.sleep(seconds)
+        used = []
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                if p.pid in before:
+                    cmd = " ".join(p.info["cmdline"] or [p.info["name"] or "?"])
+                    used.append((sum(p.cpu_times()[:2]) - before[p.pid], p.pid, cmd[:90]))
+    used.sort(reverse=True)
+    total = sum(u for u, _, _ in used)
+    print(f"idle app, {seconds:g} s: {100 * total / seconds:.1f}% of one core in all "
+          f"({100 * total / seconds / (psutil.cpu_count() or 1):.1f}% of the machine)")
+    for u, pid, cmd in used:
+        if u / seconds >= 0.001:
+            print(f"{100 * u / seconds:6.2f}%  {pid:7d}  {cmd}")
 
 
 def main() -> int:
@@ -132,7 +171,14 @@ def main() -> int:
     p.add_argument("--worker-niceness", type=int, default=0, help="Ray's worker niceness (default 0, as dsde serve)")
     p.add_argument("--rounds", type=int, default=3, help="service runs, each between two in-process runs")
     p.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
+    p.add_argument("--idle-profile", type=float, default=None, metavar="SECONDS",
+                   help="instead: start the app, leave it idle and print each process's CPU over SECONDS")
     args = p.parse_args()
+    if args.idle_profile is not None:
+        if args.idle_profile <= 0:
+            p.error("--idle-profile must be > 0 seconds")
+        idle_profile(args.idle_profile, args)
+        return 0
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
     prompts = PROMPTS[: args.batch]
