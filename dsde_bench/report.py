@@ -368,8 +368,8 @@ def bound_section(pick: dict[str, Any], doc: dict[str, Any] | None) -> str:
              fmt(scores[m], ".3f")] for m, by_w in ratios.items()]
     pick_cfg, report_seed = pick.get("config", {}), (doc or {}).get("config", {}).get("seed", "(not run)")
     runner_up = min((m for m in scores if m != n), key=lambda m: scores[m], default=None)
-    tie = (f" The runner-up, MAX = {runner_up}, is within {100 * (scores[runner_up] / scores[n] - 1):.2f}%: a near tie "
-           f"on this machine's noise." if runner_up is not None and scores[runner_up] <= 1.01 * scores[n] else "")
+    tie = (f"\nThe runner-up, MAX = {runner_up}, is within {100 * (scores[runner_up] / scores[n] - 1):.2f}%: a near "
+           f"tie on this machine's noise." if runner_up is not None and scores[runner_up] <= 1.01 * scores[n] else "")
     out = f"""## DSDE's SL bound for this machine (`make bench-dsde-bound`, issues 2 and 4)
 
 DSDE bounds SL_max (from the warm-up's longest accepted run) by MAX = 20, a GPU-sized default: there a draft token

@@ -12,11 +12,11 @@ from dsde_core.errors import ConfigError
 from tests.test_bench_report import _cell
 
 
-def _pick_doc() -> dict:
-    # latency / target-only: dsde:4 -> 0.5 and 0.9 (geo 0.671); dsde:8 -> 0.4 and 1.2 (geo 0.693); dsde -> 0.6, 1.1
+def _pick_doc(chat8: float = 1.2) -> dict:
+    # latency / target-only: dsde:4 -> 0.5, 0.9 (geo 0.671); dsde:8 -> 0.4, chat8 (1.2: geo 0.693); dsde -> 0.6, 1.1
     cells = []
     for w, rel in (("code", {"dsde:4": 0.5, "dsde:8": 0.4, "dsde": 0.6}),
-                   ("chat", {"dsde:4": 0.9, "dsde:8": 1.2, "dsde": 1.1})):
+                   ("chat", {"dsde:4": 0.9, "dsde:8": chat8, "dsde": 1.1})):
         cells.append(_cell(w, "off", 2.0, 10.0))
         cells += [_cell(w, p, 2.0 * r, 10.0) for p, r in rel.items()]
         cells.append(_cell(w, "dsde:4", 0.1, 10.0, bs=4))  # batch 4: not part of the pick
@@ -73,6 +73,10 @@ def test_section_reports_the_pick_on_the_other_run(tmp_path) -> None:
     assert "## DSDE's SL bound for this machine" in page
     assert "| 4 (picked) | 0.900 | 0.500 | 0.671 |" in page  # columns chat, code; then the geometric mean
     assert "dsde:4 within 5% of Static-opt, code (T=0, batch 1) | 1.030x" in page
+    assert "runner-up" not in page  # dsde:8 is 3.3% behind: no tie
+    (res / "dsde_bound_pick.json").write_text(json.dumps(_pick_doc(chat8=1.14)))  # geo 0.675: within 0.66%
+    page = report.write(res, tmp_path / "BENCHMARKS.md").read_text()
+    assert "| 20 | 1.100 | 0.600 | 0.812 |\n\nThe runner-up, MAX = 8, is within 0.66%: a near tie" in page  # not a row
 
 
 def test_perf_targets_judge_every_dsde_bound() -> None:
