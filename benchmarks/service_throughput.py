@@ -12,12 +12,12 @@ received, after one warm-up request each. This machine's speed drifts by 10-20% 
 is set against the mean of the in-process runs just before and after it, and the figure is the median of those
 ratios. The goal (issue 3): service >= 0.9 x in-process.
 
-Where the difference goes: in each round, once the app is up and before the burst, the in-process engine runs the
-same prompts again beside the idle cluster (Ray's processes, Serve's controller, proxy and replica, the model
-actors waiting). Its throughput against the in-process runs without a cluster ("idle cluster" ratio) is what the
-cluster's presence costs a run on these cores; the service against it ("path" ratio) is what the service's own
-path costs (actor calls a step, HTTP, streaming, admission). `--idle-profile SECONDS` starts the app alone, leaves it
-idle and prints the CPU each process of the machine took over SECONDS: where the cluster's presence goes.
+Where the difference goes: in each round, once the app is up (and 5 s more) and before the burst, the in-process
+engine runs the same prompts again beside the idle cluster (Ray's processes, Serve's controller, proxy and replica,
+the model actors waiting). Its throughput against the in-process runs without a cluster ("idle cluster" ratio) is
+what the cluster's presence costs a run on these cores; the service against it ("path" ratio) is what the service's
+own path costs (actor calls a step, HTTP, streaming, admission). `--idle-profile SECONDS` starts the app alone,
+leaves it idle and prints the CPU each process of the machine took over SECONDS: where the cluster's presence goes.
 
 The cluster runs its workers at nice 0, as `dsde serve` does: at Ray's default of 15 any other busy process
 on the machine starves the model actors and the comparison with the nice-0 in-process run means nothing
@@ -99,6 +99,7 @@ async def _burst(url: str, prompts: list[str], max_tokens: int) -> tuple[float, 
 
 
 Run = tuple[float, list[str], int]  # tok/s, texts, tokens
+SETTLE_S = 5.0  # after serve.run returns, before anything is timed: past the tail of the cluster's start-up
 
 
 @contextlib.contextmanager
@@ -129,6 +130,7 @@ def serving(batch: int, args: argparse.Namespace) -> Iterator[str]:
 def through_service(llm: SpeculativeLLM, prompts: list[str], args: argparse.Namespace) -> tuple[Run, Run]:
     """(the service's burst, the in-process engine's run beside the idle cluster just before it)."""
     with serving(len(prompts), args) as url:
+        time.sleep(SETTLE_S)
         beside = in_process(llm, prompts, args)
         return asyncio.run(_burst(url, prompts, args.max_tokens)), beside
 
@@ -139,7 +141,7 @@ def idle_profile(seconds: float, args: argparse.Namespace) -> None:
     import psutil
 
     with serving(args.batch, args):
-        time.sleep(5)  # past start-up's tail
+        time.sleep(SETTLE_S)
         procs = list(psutil.process_iter(["pid", "cmdline", "name"]))
         before = {}
         for p in procs:
