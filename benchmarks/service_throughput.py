@@ -55,6 +55,9 @@ PROMPTS = [
 ]
 
 
+Run = tuple[float, list[str], int]  # tok/s, texts, tokens
+
+
 def load_in_process(args: argparse.Namespace, batch: int) -> SpeculativeLLM:
     config = EngineConfig(max_batch_size=batch, dtype=args.dtype, num_threads=args.threads)
     llm = SpeculativeLLM.load(config=config, policy=args.policy)
@@ -62,7 +65,7 @@ def load_in_process(args: argparse.Namespace, batch: int) -> SpeculativeLLM:
     return llm
 
 
-def in_process(llm: SpeculativeLLM, prompts: list[str], args: argparse.Namespace) -> tuple[float, list[str], int]:
+def in_process(llm: SpeculativeLLM, prompts: list[str], args: argparse.Namespace) -> Run:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     t0 = time.perf_counter()
     results = llm.generate(prompts, params, policy=args.policy, chat=True)
@@ -88,7 +91,7 @@ async def _stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: 
     return text, tokens
 
 
-async def _burst(url: str, prompts: list[str], max_tokens: int) -> tuple[float, list[str], int]:
+async def _burst(url: str, prompts: list[str], max_tokens: int) -> Run:
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0)) as client:
         await _stream(client, url, prompts[0], 4)  # warm-up
         t0 = time.perf_counter()
@@ -98,7 +101,6 @@ async def _burst(url: str, prompts: list[str], max_tokens: int) -> tuple[float, 
     return tokens / seconds, [t for t, _ in results], tokens
 
 
-Run = tuple[float, list[str], int]  # tok/s, texts, tokens
 SETTLE_S = 5.0  # after serve.run returns, before anything is timed: past the tail of the cluster's start-up
 
 
@@ -142,18 +144,16 @@ def idle_profile(seconds: float, args: argparse.Namespace) -> None:
 
     with serving(args.batch, args):
         time.sleep(SETTLE_S)
-        procs = list(psutil.process_iter(["pid", "cmdline", "name"]))
-        before = {}
-        for p in procs:
+        before = {}  # process -> its user + system seconds so far
+        for p in psutil.process_iter(["pid", "cmdline", "name"]):
             with contextlib.suppress(psutil.Error):
-                before[p.pid] = sum(p.cpu_times()[:2])
+                before[p] = sum(p.cpu_times()[:2])
         time.sleep(seconds)
         used = []
-        for p in procs:
+        for p, t0 in before.items():
             with contextlib.suppress(psutil.Error):
-                if p.pid in before:
-                    cmd = " ".join(p.info["cmdline"] or [p.info["name"] or "?"])
-                    used.append((sum(p.cpu_times()[:2]) - before[p.pid], p.pid, cmd[:90]))
+                cmd = " ".join(p.info["cmdline"] or [p.info["name"] or "?"])
+                used.append((sum(p.cpu_times()[:2]) - t0, p.pid, cmd[:90]))
     used.sort(reverse=True)
     total = sum(u for u, _, _ in used)
     print(f"idle app, {seconds:g} s: {100 * total / seconds:.1f}% of one core in all "
