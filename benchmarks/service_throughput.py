@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/service_throughput.py [--max-tokens 128] [--batch 8] [--policy dsde] [--rounds 3]
         [--json results/service_throughput.json]
     .venv/bin/python benchmarks/service_throughput.py --idle-profile 30
+    .venv/bin/python benchmarks/service_throughput.py --busy-profile
 
 The embedded pair, greedy, chat prompts, all `--batch` requests at once (continuous batching with batch-size
 slots). In-process (dsde_core's SpeculativeLLM), then `--rounds` times: a local Ray cluster with the app
@@ -18,6 +19,8 @@ the model actors waiting). Its throughput against the in-process runs without a 
 what the cluster's presence costs a run on these cores; the service against it ("path" ratio) is what the service's
 own path costs (actor calls a step, HTTP, streaming, admission). `--idle-profile SECONDS` starts the app alone,
 leaves it idle and prints the CPU each process of the machine took over SECONDS: where the cluster's presence goes.
+`--busy-profile` prints the CPU each process took for one run of the prompts in-process and one burst of them
+through the service (both after a warm-up run): where the path's CPU goes, process by process.
 
 The cluster runs its workers at nice 0, as `dsde serve` does: at Ray's default of 15 any other busy process
 on the machine starves the model actors and the comparison with the nice-0 in-process run means nothing
@@ -35,6 +38,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -107,26 +111,18 @@ SETTLE_S = 5.0  # after serve.run returns, before anything is timed: past the ta
 @contextlib.contextmanager
 def serving(batch: int, args: argparse.Namespace) -> Iterator[str]:
     """A local Ray cluster with the app up (as `dsde serve` starts it); yields its chat completions URL."""
-    import ray
     from ray import serve
 
     from services.app import build_app
-    from services.launch import quiet_serve_controller
+    from services.launch import LocalServe, local_cluster
 
-    port = free_port()
-    quiet_serve_controller()  # as `dsde serve` does
-    system_config = {} if args.worker_niceness is None else {"worker_niceness": args.worker_niceness}
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             object_store_memory=256 * 2**20, _system_config=system_config)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    opts = LocalServe(port=free_port(), num_cpus=2, metrics_port=None, worker_niceness=args.worker_niceness,
+                      prometheus_sd=None)
+    with local_cluster(opts):
         app_args = {"model_name": "dsde", "dtype": args.dtype, "policy": args.policy, "num_threads": args.threads,
                     "max_batch_size": batch}
         serve.run(build_app(app_args), name="bench", route_prefix="/")
-        yield f"http://127.0.0.1:{port}/v1/chat/completions"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+        yield f"{opts.url}/v1/chat/completions"
 
 
 def through_service(llm: SpeculativeLLM, prompts: list[str], args: argparse.Namespace) -> tuple[Run, Run]:
@@ -137,30 +133,78 @@ def through_service(llm: SpeculativeLLM, prompts: list[str], args: argparse.Name
         return asyncio.run(_burst(url, prompts, args.max_tokens)), beside
 
 
-def idle_profile(seconds: float, args: argparse.Namespace) -> None:
-    """CPU each process of the machine takes while the app is up and idle (every process, this one included:
-    Ray's are named by their command line's first words)."""
+def _cpu_seconds() -> dict[Any, float]:
+    """Every process of the machine (this one included) -> its user + system CPU seconds so far; and (key
+    (process, thread id)) each of its threads'."""
     import psutil
 
-    with serving(args.batch, args):
-        time.sleep(SETTLE_S)
-        before = {}  # process -> its user + system seconds so far
-        for p in psutil.process_iter(["pid", "cmdline", "name"]):
-            with contextlib.suppress(psutil.Error):
-                before[p] = sum(p.cpu_times()[:2])
-        time.sleep(seconds)
-        used = []
-        for p, t0 in before.items():
-            with contextlib.suppress(psutil.Error):
-                cmd = " ".join(p.info["cmdline"] or [p.info["name"] or "?"])
-                used.append((sum(p.cpu_times()[:2]) - t0, p.pid, cmd[:90]))
+    seconds = {}
+    for p in psutil.process_iter(["pid", "cmdline", "name"]):
+        with contextlib.suppress(psutil.Error):
+            seconds[p] = sum(p.cpu_times()[:2])
+            for t in p.threads():
+                seconds[p, t.id] = t.user_time + t.system_time
+    return seconds
+
+
+def _thread_name(pid: int, tid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+    return "?"
+
+
+def _print_cpu(title: str, before: dict[Any, float], seconds: float) -> None:
+    """The CPU each process took since `before`, as a share of one core over `seconds` of wall time (Ray's
+    processes are named by their command line's first words)."""
+    import psutil
+
+    used, threads = [], {}  # threads: pid -> [(seconds, tid, name)]
+    for key, t0 in before.items():
+        with contextlib.suppress(psutil.Error):
+            if isinstance(key, tuple):
+                p, tid = key
+                now = next((t.user_time + t.system_time for t in p.threads() if t.id == tid), t0)
+                threads.setdefault(p.pid, []).append((now - t0, tid, _thread_name(p.pid, tid)))
+            else:
+                cmd = " ".join(key.info["cmdline"] or [key.info["name"] or "?"])
+                used.append((sum(key.cpu_times()[:2]) - t0, key.pid, cmd[:90]))
     used.sort(reverse=True)
     total = sum(u for u, _, _ in used)
-    print(f"idle app, {seconds:g} s: {100 * total / seconds:.1f}% of one core in all "
+    print(f"{title}, {seconds:.1f} s: {total:.1f} CPU seconds, {100 * total / seconds:.1f}% of one core in all "
           f"({100 * total / seconds / (psutil.cpu_count() or 1):.1f}% of the machine)")
     for u, pid, cmd in used:
         if u / seconds >= 0.001:
-            print(f"{100 * u / seconds:6.2f}%  {pid:7d}  {cmd}")
+            print(f"{100 * u / seconds:6.2f}%  {u:7.2f} s  {pid:7d}  {cmd}")
+        if u / seconds >= 0.2:  # a busy process: its threads too
+            for tu, tid, name in sorted(threads.get(pid, []), reverse=True):
+                if tu / seconds >= 0.001:
+                    print(f"         {100 * tu / seconds:6.2f}%  thread {tid} {name}")
+
+
+def idle_profile(seconds: float, args: argparse.Namespace) -> None:
+    """CPU each process of the machine takes while the app is up and idle."""
+    with serving(args.batch, args):
+        time.sleep(SETTLE_S)
+        before = _cpu_seconds()
+        time.sleep(seconds)
+        _print_cpu("idle app", before, seconds)
+
+
+def busy_profile(args: argparse.Namespace) -> None:
+    """CPU each process takes for the same work in-process and through the service (both warmed up first): where
+    the service's path spends what the in-process engine does not (this process holds the HTTP client)."""
+    prompts = PROMPTS[: args.batch]
+    llm = load_in_process(args, len(prompts))
+    in_process(llm, prompts, args)
+    before, t0 = _cpu_seconds(), time.perf_counter()
+    run = in_process(llm, prompts, args)
+    _print_cpu(f"in-process, {run[2]} tokens at {run[0]:.2f} tok/s", before, time.perf_counter() - t0)
+    del llm
+    with serving(len(prompts), args) as url:
+        asyncio.run(_burst(url, prompts, args.max_tokens))
+        before, t0 = _cpu_seconds(), time.perf_counter()
+        run = asyncio.run(_burst(url, prompts, args.max_tokens))
+        _print_cpu(f"service, {run[2]} tokens at {run[0]:.2f} tok/s", before, time.perf_counter() - t0)
 
 
 def main() -> int:
@@ -175,11 +219,16 @@ def main() -> int:
     p.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     p.add_argument("--idle-profile", type=float, default=None, metavar="SECONDS",
                    help="instead: start the app, leave it idle and print each process's CPU over SECONDS")
+    p.add_argument("--busy-profile", action="store_true",
+                   help="instead: print each process's CPU for one run in-process and one burst through the service")
     args = p.parse_args()
     if args.idle_profile is not None:
         if args.idle_profile <= 0:
             p.error("--idle-profile must be > 0 seconds")
         idle_profile(args.idle_profile, args)
+        return 0
+    if args.busy_profile:
+        busy_profile(args)
         return 0
     if args.rounds < 1:
         p.error("--rounds must be >= 1")

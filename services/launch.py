@@ -15,6 +15,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,16 +88,13 @@ def quiet_serve_controller() -> None:
     os.environ.setdefault(SERVE_CONTROL_LOOP_ENV, SERVE_CONTROL_LOOP_S)
 
 
-def serve_forever(opts: LocalServe, stop: threading.Event | None = None, log: Any = print) -> int:
-    """Run until `stop` is set or SIGINT/SIGTERM arrives; returns the exit code."""
+@contextlib.contextmanager
+def local_cluster(opts: LocalServe) -> Iterator[None]:
+    """A local Ray with Serve's HTTP proxy on opts.host:opts.port, as `dsde serve` runs it; on exit Serve stops first,
+    then Ray: the cluster this process started and nothing else."""
     import ray
     from ray import serve
 
-    from services.app import build_app
-
-    opts.check()
-    stop = stop or threading.Event()
-    t0 = time.perf_counter()
     # worker_niceness 0: at Ray's default of 15, any other busy process on the machine (a load generator, a
     # build) takes the CPU from the model actors; this cluster exists only to serve, so they run at normal priority
     system_config = {} if opts.worker_niceness is None else {"worker_niceness": opts.worker_niceness}
@@ -104,27 +102,51 @@ def serve_forever(opts: LocalServe, stop: threading.Event | None = None, log: An
     ray.init(address="local", num_cpus=opts.num_cpus, include_dashboard=False, log_to_driver=False,
              object_store_memory=opts.object_store_memory, _metrics_export_port=opts.metrics_port,
              _system_config=system_config)
+    try:
+        serve.start(http_options={"host": opts.host, "port": opts.port})
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        ray.shutdown()
+
+
+def serve_forever(opts: LocalServe, stop: threading.Event | None = None, log: Any = print) -> int:
+    """Run until `stop` is set or SIGINT/SIGTERM arrives; returns the exit code."""
+    opts.check()
+    stop = stop or threading.Event()
+    t0 = time.perf_counter()
     previous = {}
     ready = threading.Event()
-    sd: ServiceDiscovery | None = None
 
     def on_signal(*_: Any) -> None:
         if not ready.is_set():
-            raise KeyboardInterrupt  # still starting: abort serve.run; the finally below cleans up
+            raise KeyboardInterrupt  # still starting: abort serve.run; the cluster is stopped on the way out
         stop.set()
 
     try:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                previous[sig] = signal.signal(sig, on_signal)
-        if opts.prometheus_sd is not None:  # Ray's metrics (Serve's included) are worth scraping while it loads
-            path = _sd_path(opts.prometheus_sd, ray)
+        with local_cluster(opts):
+            if threading.current_thread() is threading.main_thread():  # after ray.init, which installs its own
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    previous[sig] = signal.signal(sig, on_signal)
             try:
-                sd = ServiceDiscovery.write(path, _metrics_targets(ray))
-                log(f"dsde serve: Prometheus service discovery: {sd.path} ({', '.join(sd.targets)})")
-            except OSError as e:  # monitoring is no reason not to serve
-                log(f"dsde serve: warning: could not write Prometheus' service-discovery file {path}: {e}")
-        serve.start(http_options={"host": opts.host, "port": opts.port})
+                return _serve_until_stopped(opts, stop, ready, log, t0)
+            finally:
+                ready.set()  # a second signal while shutting down only sets `stop`
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _serve_until_stopped(opts: LocalServe, stop: threading.Event, ready: threading.Event, log: Any,
+                         t0: float) -> int:
+    """On a running cluster: the app up, `ready` set, then wait for `stop` and drain."""
+    from ray import serve
+
+    from services.app import build_app
+
+    sd = _write_service_discovery(opts, log)  # Ray's metrics (Serve's included) are worth scraping while it loads
+    try:
         log("dsde serve: loading the models (the first start converts the embedded pair; minutes) ...")
         try:
             serve.run(build_app(opts.args), name=APP_NAME, route_prefix="/", blocking=False)
@@ -144,14 +166,24 @@ def serve_forever(opts: LocalServe, stop: threading.Event | None = None, log: An
         log("dsde serve: drained" if left == 0 else f"dsde serve: {left} request(s) still running; stopping anyway")
         return 0
     finally:
-        ready.set()  # a second signal while shutting down only sets `stop`
         if sd is not None:
             sd.remove()
-        with contextlib.suppress(Exception):
-            serve.shutdown()
-        ray.shutdown()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+
+
+def _write_service_discovery(opts: LocalServe, log: Any) -> ServiceDiscovery | None:
+    """Write Prometheus' service-discovery file for the running cluster (None: not asked for, or not writable)."""
+    import ray
+
+    if opts.prometheus_sd is None:
+        return None
+    path = _sd_path(opts.prometheus_sd, ray)
+    try:
+        sd = ServiceDiscovery.write(path, _metrics_targets(ray))
+    except OSError as e:  # monitoring is no reason not to serve
+        log(f"dsde serve: warning: could not write Prometheus' service-discovery file {path}: {e}")
+        return None
+    log(f"dsde serve: Prometheus service discovery: {sd.path} ({', '.join(sd.targets)})")
+    return sd
 
 
 def drain(timeout: float, app_name: str = APP_NAME) -> int:
