@@ -95,7 +95,7 @@ async def _stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: 
     return text, tokens
 
 
-async def _burst(url: str, prompts: list[str], max_tokens: int) -> Run:
+async def burst(url: str, prompts: list[str], max_tokens: int) -> Run:
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0)) as client:
         await _stream(client, url, prompts[0], 4)  # warm-up
         t0 = time.perf_counter()
@@ -130,7 +130,7 @@ def through_service(llm: SpeculativeLLM, prompts: list[str], args: argparse.Name
     with serving(len(prompts), args) as url:
         time.sleep(SETTLE_S)
         beside = in_process(llm, prompts, args)
-        return asyncio.run(_burst(url, prompts, args.max_tokens)), beside
+        return asyncio.run(burst(url, prompts, args.max_tokens)), beside
 
 
 def _cpu_seconds() -> dict[Any, float]:
@@ -201,9 +201,9 @@ def busy_profile(args: argparse.Namespace) -> None:
     _print_cpu(f"in-process, {run[2]} tokens at {run[0]:.2f} tok/s", before, time.perf_counter() - t0)
     del llm
     with serving(len(prompts), args) as url:
-        asyncio.run(_burst(url, prompts, args.max_tokens))
+        asyncio.run(burst(url, prompts, args.max_tokens))
         before, t0 = _cpu_seconds(), time.perf_counter()
-        run = asyncio.run(_burst(url, prompts, args.max_tokens))
+        run = asyncio.run(burst(url, prompts, args.max_tokens))
         _print_cpu(f"service, {run[2]} tokens at {run[0]:.2f} tok/s", before, time.perf_counter() - t0)
 
 

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from tests.cli_support import help_flags
+
 DSDE = [sys.executable, "-m", "dsde_core.cli"]
 
 
@@ -71,8 +73,7 @@ def test_every_generate_flag_reaches_the_sampling_the_engine_or_the_output(monke
              "--seed": "11", "--presence-penalty": "0.25", "--frequency-penalty": "0.5", "--repetition-penalty": "1.1",
              "--dtype": "float32", "--device": "cpu", "--threads": "1", "--draft": "d", "--target": "t"}
     switches = ["--chat", "--compare", "--json"]
-    generate = cli._parser()._subparsers._group_actions[0].choices["generate"]
-    flags = {o for a in generate._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+    flags = help_flags(cli._parser(), "generate")
     assert flags == set(given) | set(switches), flags ^ (set(given) | set(switches))
     assert cli.main(["generate", "hi", *[x for kv in given.items() for x in kv], *switches]) == 0
     load = calls["load"]

@@ -22,6 +22,7 @@ from services.ingress import choice_params, merge
 from services.metrics import METRICS, exported_name
 from services.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from services.responses import Reply
+from tests.cli_support import help_flags
 from tests.tiny import random_prompts, tiny_engine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -414,8 +415,7 @@ def test_every_dsde_serve_flag_reaches_the_service_or_its_cluster() -> None:
         "--prometheus-sd": ("none", "local", "prometheus_sd", None), "--num-cpus": ("3", "local", "num_cpus", 3),
         "--worker-niceness": ("5", "local", "worker_niceness", 5),
     }
-    serve = parser()._subparsers._group_actions[0].choices["serve"]
-    flags = {o for a in serve._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+    flags = help_flags(parser(), "serve")
     assert flags == set(given), flags ^ set(given)
     args = parser().parse_args(["serve", *[x for flag, (value, *_) in given.items() for x in (flag, value)]])
     opts = local_serve(args)
