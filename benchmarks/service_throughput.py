@@ -133,17 +133,17 @@ def through_service(llm: SpeculativeLLM, prompts: list[str], args: argparse.Name
         return asyncio.run(burst(url, prompts, args.max_tokens)), beside
 
 
-def _cpu_seconds() -> dict[Any, float]:
-    """Every process of the machine (this one included) -> its user + system CPU seconds so far; and (key
-    (process, thread id)) each of its threads'."""
+CpuTimes = dict[Any, tuple[float, dict[int, float]]]  # psutil.Process -> (user + system seconds, per thread id)
+
+
+def _cpu_seconds() -> CpuTimes:
+    """Every process of the machine (this one included): its user + system CPU seconds so far, and each thread's."""
     import psutil
 
     seconds = {}
     for p in psutil.process_iter(["pid", "cmdline", "name"]):
         with contextlib.suppress(psutil.Error):
-            seconds[p] = sum(p.cpu_times()[:2])
-            for t in p.threads():
-                seconds[p, t.id] = t.user_time + t.system_time
+            seconds[p] = (sum(p.cpu_times()[:2]), {t.id: t.user_time + t.system_time for t in p.threads()})
     return seconds
 
 
@@ -153,32 +153,30 @@ def _thread_name(pid: int, tid: int) -> str:
     return "?"
 
 
-def _print_cpu(title: str, before: dict[Any, float], seconds: float) -> None:
-    """The CPU each process took since `before`, as a share of one core over `seconds` of wall time (Ray's
-    processes are named by their command line's first words)."""
+def _print_cpu(title: str, before: CpuTimes, seconds: float) -> None:
+    """The CPU each process took since `before` (a busy one's threads too), as a share of one core over `seconds` of
+    wall time. Ray's processes are named by their command line's first words."""
     import psutil
 
-    used, threads = [], {}  # threads: pid -> [(seconds, tid, name)]
-    for key, t0 in before.items():
-        with contextlib.suppress(psutil.Error):
-            if isinstance(key, tuple):
-                p, tid = key
-                now = next((t.user_time + t.system_time for t in p.threads() if t.id == tid), t0)
-                threads.setdefault(p.pid, []).append((now - t0, tid, _thread_name(p.pid, tid)))
-            else:
-                cmd = " ".join(key.info["cmdline"] or [key.info["name"] or "?"])
-                used.append((sum(key.cpu_times()[:2]) - t0, key.pid, cmd[:90]))
+    now = _cpu_seconds()
+    used = []  # (seconds, pid, command, [(seconds, thread id)])
+    for p, (t0, threads0) in before.items():
+        if p in now:  # not exited since
+            t1, threads1 = now[p]
+            cmd = " ".join(p.info["cmdline"] or [p.info["name"] or "?"])
+            threads = sorted(((t - threads0.get(tid, 0.0), tid) for tid, t in threads1.items()), reverse=True)
+            used.append((t1 - t0, p.pid, cmd[:90], threads))
     used.sort(reverse=True)
-    total = sum(u for u, _, _ in used)
+    total = sum(u[0] for u in used)
     print(f"{title}, {seconds:.1f} s: {total:.1f} CPU seconds, {100 * total / seconds:.1f}% of one core in all "
           f"({100 * total / seconds / (psutil.cpu_count() or 1):.1f}% of the machine)")
-    for u, pid, cmd in used:
+    for u, pid, cmd, threads in used:
         if u / seconds >= 0.001:
             print(f"{100 * u / seconds:6.2f}%  {u:7.2f} s  {pid:7d}  {cmd}")
         if u / seconds >= 0.2:  # a busy process: its threads too
-            for tu, tid, name in sorted(threads.get(pid, []), reverse=True):
+            for tu, tid in threads:
                 if tu / seconds >= 0.001:
-                    print(f"         {100 * tu / seconds:6.2f}%  thread {tid} {name}")
+                    print(f"         {100 * tu / seconds:6.2f}%  thread {tid} {_thread_name(pid, tid)}")
 
 
 def idle_profile(seconds: float, args: argparse.Namespace) -> None:
