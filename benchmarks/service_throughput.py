@@ -205,6 +205,68 @@ def busy_profile(args: argparse.Namespace) -> None:
         _print_cpu(f"service, {run[2]} tokens at {run[0]:.2f} tok/s", before, time.perf_counter() - t0)
 
 
+def _engine_run(engine: Any, tokenizer: Any, prompts: list[str], args: argparse.Namespace) -> tuple[Run, str]:
+    """One run of the prompts on an engine (chat, greedy): the run, and where its steps' time went (its step log)."""
+    from dsde_core.llm import encode_prompt
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    since = len(engine.step_log)
+    t0 = time.perf_counter()
+    reqs = [engine.add_request(encode_prompt(tokenizer, p, True), params) for p in prompts]
+    engine.run()
+    seconds = time.perf_counter() - t0
+    steps = list(engine.step_log)[since:]
+    draft, target, total = (sum(getattr(x, f) for x in steps) for f in ("draft_s", "target_s", "total_s"))
+    tokens = sum(len(r.output_ids) for r in reqs)
+    where = (f"{len(steps)} steps, {total:.2f} s in steps: propose {draft:.2f} s, verify {target:.2f} s, rest "
+             f"(plan, observe, commit, admission) {total - draft - target:.2f} s; "
+             f"outside steps {seconds - total:.2f} s")
+    return (tokens / seconds, [r.text for r in reqs], tokens), where
+
+
+def step_split(args: argparse.Namespace) -> None:
+    """With the app up: `--rounds` times the in-process engine, the same engine in this process driving a second set
+    of model actors and controller through plain actor calls (as the replica does, without Serve, HTTP or streaming),
+    and the service's burst, round-robin (each idle while the others run). Tokens/s and, for the two engines, where
+    a step's time went: the service's path split into what the models in actors cost and what Serve, HTTP and
+    streaming cost."""
+    from dsde_core.engine import Engine
+    from services import transport
+    from services.config import PolicyConfig, ServiceConfig
+    from services.placement import start_actors
+    from services.proxies import ControllerProxy, DraftProxy, TargetProxy
+
+    prompts = PROMPTS[: args.batch]
+    llm = load_in_process(args, len(prompts))
+    in_process(llm, prompts, args)  # warm-up; sets the policy
+    runs: dict[str, list[float]] = {"in-process": [], "engine here, models in actors": [], "service": []}
+    with serving(len(prompts), args) as url:
+        cfg = ServiceConfig.from_args({"dtype": args.dtype, "policy": args.policy, "num_threads": args.threads,
+                                       "max_batch_size": len(prompts), "draft_num_cpus": 0, "target_num_cpus": 0})
+        actors = start_actors(cfg, PolicyConfig(policy=cfg.policy))  # the app's hold the cluster's logical CPUs
+        try:
+            transport.register()  # as the replica does
+            info = actors.target_info
+            engine = Engine(TargetProxy(actors.target), DraftProxy(actors.draft), ControllerProxy(actors.controller),
+                            info.tokenizer, cfg.engine_config(), eos_ids=info.eos_ids, vocab_size=info.vocab_size)
+            _engine_run(engine, info.tokenizer, prompts, args)  # warm-up
+            asyncio.run(burst(url, prompts, args.max_tokens))  # warm-up
+            time.sleep(SETTLE_S)
+            for r in range(args.rounds):
+                for name, (eng, tok) in (("in-process", (llm.engine, llm.tokenizer)),
+                                         ("engine here, models in actors", (engine, info.tokenizer))):
+                    run, where = _engine_run(eng, tok, prompts, args)
+                    runs[name].append(run[0])
+                    print(f"round {r + 1} {name}: {run[2]} tokens at {run[0]:.2f} tok/s; {where}", flush=True)
+                run = asyncio.run(burst(url, prompts, args.max_tokens))
+                runs["service"].append(run[0])
+                print(f"round {r + 1} service: {run[2]} tokens at {run[0]:.2f} tok/s", flush=True)
+        finally:
+            actors.kill()
+    for name, values in runs.items():
+        print(f"{name}: median {statistics.median(values):.2f} tok/s of {[round(v, 2) for v in values]}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-tokens", type=int, default=128)
@@ -219,6 +281,9 @@ def main() -> int:
                    help="instead: start the app, leave it idle and print each process's CPU over SECONDS")
     p.add_argument("--busy-profile", action="store_true",
                    help="instead: print each process's CPU for one run in-process and one burst through the service")
+    p.add_argument("--step-split", action="store_true",
+                   help="instead: in-process, the engine driving model actors without Serve, and the service, "
+                        "--rounds times round-robin; tokens/s and the engines' step times")
     args = p.parse_args()
     if args.idle_profile is not None:
         if args.idle_profile <= 0:
@@ -227,6 +292,9 @@ def main() -> int:
         return 0
     if args.busy_profile:
         busy_profile(args)
+        return 0
+    if args.step_split:
+        step_split(args)
         return 0
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
