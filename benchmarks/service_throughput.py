@@ -225,11 +225,11 @@ def _engine_run(engine: Any, tokenizer: Any, prompts: list[str], args: argparse.
 
 
 def step_split(args: argparse.Namespace) -> None:
-    """With the app up: `--rounds` times the in-process engine, the same engine in this process driving a second set
-    of model actors and controller through plain actor calls (as the replica does, without Serve, HTTP or streaming),
-    and the service's burst, round-robin (each idle while the others run). Tokens/s and, for the two engines, where
-    a step's time went: the service's path split into what the models in actors cost and what Serve, HTTP and
-    streaming cost."""
+    """The in-process engine; then, with the app up, `--rounds` times the same engine in this process driving a
+    second set of model actors and controller through plain actor calls (as the replica does, without Serve, HTTP
+    or streaming) and the service's burst; then the in-process engine again (reloaded: three copies of the models do
+    not fit in 24 GiB). Tokens/s and, for the engines, where a step's time went: the service's path split into what
+    the models in actors cost and what Serve, HTTP and streaming cost."""
     from dsde_core.engine import Engine
     from services import transport
     from services.config import PolicyConfig, ServiceConfig
@@ -237,9 +237,18 @@ def step_split(args: argparse.Namespace) -> None:
     from services.proxies import ControllerProxy, DraftProxy, TargetProxy
 
     prompts = PROMPTS[: args.batch]
-    llm = load_in_process(args, len(prompts))
-    in_process(llm, prompts, args)  # warm-up; sets the policy
     runs: dict[str, list[float]] = {"in-process": [], "engine here, models in actors": [], "service": []}
+
+    def report(name: str, run: Run, where: str = "") -> None:
+        runs[name].append(run[0])
+        print(f"{name}: {run[2]} tokens at {run[0]:.2f} tok/s{'; ' + where if where else ''}", flush=True)
+
+    def local_run() -> None:
+        llm = load_in_process(args, len(prompts))
+        in_process(llm, prompts, args)  # warm-up; sets the policy
+        report("in-process", *_engine_run(llm.engine, llm.tokenizer, prompts, args))
+
+    local_run()
     with serving(len(prompts), args) as url:
         cfg = ServiceConfig.from_args({"dtype": args.dtype, "policy": args.policy, "num_threads": args.threads,
                                        "max_batch_size": len(prompts), "draft_num_cpus": 0, "target_num_cpus": 0})
@@ -252,17 +261,12 @@ def step_split(args: argparse.Namespace) -> None:
             _engine_run(engine, info.tokenizer, prompts, args)  # warm-up
             asyncio.run(burst(url, prompts, args.max_tokens))  # warm-up
             time.sleep(SETTLE_S)
-            for r in range(args.rounds):
-                for name, (eng, tok) in (("in-process", (llm.engine, llm.tokenizer)),
-                                         ("engine here, models in actors", (engine, info.tokenizer))):
-                    run, where = _engine_run(eng, tok, prompts, args)
-                    runs[name].append(run[0])
-                    print(f"round {r + 1} {name}: {run[2]} tokens at {run[0]:.2f} tok/s; {where}", flush=True)
-                run = asyncio.run(burst(url, prompts, args.max_tokens))
-                runs["service"].append(run[0])
-                print(f"round {r + 1} service: {run[2]} tokens at {run[0]:.2f} tok/s", flush=True)
+            for _ in range(args.rounds):
+                report("engine here, models in actors", *_engine_run(engine, info.tokenizer, prompts, args))
+                report("service", asyncio.run(burst(url, prompts, args.max_tokens)))
         finally:
             actors.kill()
+    local_run()
     for name, values in runs.items():
         print(f"{name}: median {statistics.median(values):.2f} tok/s of {[round(v, 2) for v in values]}")
 
