@@ -4,6 +4,7 @@
         [--json results/service_throughput.json]
     .venv/bin/python benchmarks/service_throughput.py --idle-profile 30
     .venv/bin/python benchmarks/service_throughput.py --busy-profile
+    .venv/bin/python benchmarks/service_throughput.py --step-split [--rounds 3]
 
 The embedded pair, greedy, chat prompts, all `--batch` requests at once (continuous batching with batch-size
 slots). In-process (dsde_core's SpeculativeLLM), then `--rounds` times: a local Ray cluster with the app
@@ -21,6 +22,10 @@ own path costs (actor calls a step, HTTP, streaming, admission). `--idle-profile
 leaves it idle and prints the CPU each process of the machine took over SECONDS: where the cluster's presence goes.
 `--busy-profile` prints the CPU each process took for one run of the prompts in-process and one burst of them
 through the service (both after a warm-up run): where the path's CPU goes, process by process.
+`--step-split` runs the same engine three ways: in-process, in this process driving the model actors and the
+controller by plain actor calls (the replica's path without Serve, HTTP or streaming), and as the service; the two
+engines print where their steps' time went (propose, verify, the rest): whether the path's cost is the models in
+actors or Serve, HTTP and streaming.
 
 The cluster runs its workers at nice 0, as `dsde serve` does: at Ray's default of 15 any other busy process
 on the machine starves the model actors and the comparison with the nice-0 in-process run means nothing
@@ -286,8 +291,8 @@ def main() -> int:
     p.add_argument("--busy-profile", action="store_true",
                    help="instead: print each process's CPU for one run in-process and one burst through the service")
     p.add_argument("--step-split", action="store_true",
-                   help="instead: in-process, the engine driving model actors without Serve, and the service, "
-                        "--rounds times round-robin; tokens/s and the engines' step times")
+                   help="instead: in-process, the engine driving model actors without Serve, and the service "
+                        "(the last two --rounds times round-robin); tokens/s and the engines' step times")
     args = p.parse_args()
     if args.idle_profile is not None:
         if args.idle_profile <= 0:
