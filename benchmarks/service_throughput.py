@@ -113,16 +113,22 @@ async def burst(url: str, prompts: list[str], max_tokens: int) -> Run:
 SETTLE_S = 5.0  # after serve.run returns, before anything is timed: past the tail of the cluster's start-up
 
 
+def _cluster_options(args: argparse.Namespace) -> Any:
+    from services.launch import LocalServe
+
+    return LocalServe(port=free_port(), num_cpus=2, metrics_port=None, worker_niceness=args.worker_niceness,
+                      prometheus_sd=None)
+
+
 @contextlib.contextmanager
 def serving(batch: int, args: argparse.Namespace) -> Iterator[str]:
     """A local Ray cluster with the app up (as `dsde serve` starts it); yields its chat completions URL."""
     from ray import serve
 
     from services.app import build_app
-    from services.launch import LocalServe, local_cluster
+    from services.launch import local_cluster
 
-    opts = LocalServe(port=free_port(), num_cpus=2, metrics_port=None, worker_niceness=args.worker_niceness,
-                      prometheus_sd=None)
+    opts = _cluster_options(args)
     with local_cluster(opts):
         app_args = {"model_name": "dsde", "dtype": args.dtype, "policy": args.policy, "num_threads": args.threads,
                     "max_batch_size": batch}
@@ -276,6 +282,78 @@ def step_split(args: argparse.Namespace) -> None:
         print(f"{name}: median {statistics.median(values):.2f} tok/s of {[round(v, 2) for v in values]}")
 
 
+def actors_alone(args: argparse.Namespace) -> None:
+    """The in-process engine and the same engine driving model actors and a controller by plain actor calls on a Ray
+    cluster with nothing else on it (no Serve, no app), `--rounds` times round-robin: the engines' step times, and
+    how long propose and verify took inside the actors (the rest of a call is Ray's)."""
+    import ray
+
+    from dsde_core.engine import Engine
+    from services import transport
+    from services.actors import DraftHost, TargetHost
+    from services.config import PolicyConfig, ServiceConfig
+    from services.controller import Controller
+    from services.launch import local_cluster
+    from services.proxies import ControllerProxy, DraftProxy, TargetProxy
+
+    class TimedDraft(DraftHost):
+        spent = 0.0  # seconds inside propose
+
+        def propose(self, tasks: Any, stop: Any = None) -> Any:
+            t0 = time.perf_counter()
+            out = super().propose(tasks, stop)
+            self.spent += time.perf_counter() - t0
+            return out
+
+        def seconds(self) -> float:
+            return self.spent
+
+    class TimedTarget(TargetHost):
+        spent = 0.0  # seconds inside verify
+
+        def verify(self, tasks: Any) -> Any:
+            t0 = time.perf_counter()
+            out = super().verify(tasks)
+            self.spent += time.perf_counter() - t0
+            return out
+
+        def seconds(self) -> float:
+            return self.spent
+
+    prompts = PROMPTS[: args.batch]
+    llm = load_in_process(args, len(prompts))
+    in_process(llm, prompts, args)  # warm-up; sets the policy
+    cfg = ServiceConfig.from_args({"dtype": args.dtype, "policy": args.policy, "num_threads": args.threads,
+                                   "max_batch_size": len(prompts)})
+    common = dict(dtype=cfg.dtype, device=cfg.device, max_batch_size=cfg.max_batch_size, max_seq_len=cfg.max_seq_len,
+                  num_threads=cfg.num_threads)
+    runs: dict[str, list[float]] = {"in-process": [], "engine here, models in actors": []}
+    with local_cluster(_cluster_options(args), with_serve=False):
+        target = ray.remote(TimedTarget).options(num_cpus=cfg.target_num_cpus).remote(cfg.target, **common)
+        draft = ray.remote(TimedDraft).options(num_cpus=cfg.draft_num_cpus).remote(
+            cfg.draft, top_k=cfg.draft_top_k, quant=cfg.draft_quant, window=cfg.draft_window, **common)
+        controller = ray.remote(Controller).options(num_cpus=0).remote(PolicyConfig(policy=cfg.policy))
+        info = ray.get(target.describe.remote())
+        ray.get(draft.describe.remote())
+        transport.register()  # as the replica does
+        engine = Engine(TargetProxy(target), DraftProxy(draft), ControllerProxy(controller), info.tokenizer,
+                        cfg.engine_config(), eos_ids=info.eos_ids, vocab_size=info.vocab_size)
+        _engine_run(engine, info.tokenizer, prompts, args)  # warm-up
+        for _ in range(args.rounds):
+            run, where = _engine_run(llm.engine, llm.tokenizer, prompts, args)
+            runs["in-process"].append(run[0])
+            print(f"in-process: {run[2]} tokens at {run[0]:.2f} tok/s; {where}", flush=True)
+            before = ray.get([draft.seconds.remote(), target.seconds.remote()])
+            run, where = _engine_run(engine, info.tokenizer, prompts, args)
+            inside = [a - b for a, b in zip(ray.get([draft.seconds.remote(), target.seconds.remote()]), before,
+                                             strict=True)]
+            runs["engine here, models in actors"].append(run[0])
+            print(f"engine here, models in actors: {run[2]} tokens at {run[0]:.2f} tok/s; {where}; inside the "
+                  f"actors: propose {inside[0]:.2f} s, verify {inside[1]:.2f} s", flush=True)
+    for name, values in runs.items():
+        print(f"{name}: median {statistics.median(values):.2f} tok/s of {[round(v, 2) for v in values]}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-tokens", type=int, default=128)
@@ -293,6 +371,9 @@ def main() -> int:
     p.add_argument("--step-split", action="store_true",
                    help="instead: in-process, the engine driving model actors without Serve, and the service "
                         "(the last two --rounds times round-robin); tokens/s and the engines' step times")
+    p.add_argument("--actors-alone", action="store_true",
+                   help="instead: in-process and the engine driving model actors on a Ray cluster without Serve, "
+                        "--rounds times round-robin; step times, and propose and verify timed inside the actors")
     args = p.parse_args()
     if args.idle_profile is not None:
         if args.idle_profile <= 0:
@@ -304,6 +385,9 @@ def main() -> int:
         return 0
     if args.step_split:
         step_split(args)
+        return 0
+    if args.actors_alone:
+        actors_alone(args)
         return 0
     if args.rounds < 1:
         p.error("--rounds must be >= 1")

@@ -89,9 +89,9 @@ def quiet_serve_controller() -> None:
 
 
 @contextlib.contextmanager
-def local_cluster(opts: LocalServe) -> Iterator[None]:
-    """A local Ray with Serve's HTTP proxy on opts.host:opts.port, as `dsde serve` runs it; on exit Serve stops first,
-    then Ray: the cluster this process started and nothing else."""
+def local_cluster(opts: LocalServe, with_serve: bool = True) -> Iterator[None]:
+    """A local Ray with Serve's HTTP proxy on opts.host:opts.port (with_serve=False: Ray alone), as `dsde serve` runs
+    it; on exit Serve stops first, then Ray: the cluster this process started and nothing else."""
     import ray
     from ray import serve
 
@@ -103,7 +103,8 @@ def local_cluster(opts: LocalServe) -> Iterator[None]:
              object_store_memory=opts.object_store_memory, _metrics_export_port=opts.metrics_port,
              _system_config=system_config)
     try:
-        serve.start(http_options={"host": opts.host, "port": opts.port})
+        if with_serve:
+            serve.start(http_options={"host": opts.host, "port": opts.port})
         yield
     finally:
         with contextlib.suppress(Exception):
