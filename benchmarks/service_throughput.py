@@ -120,6 +120,11 @@ def _cluster_options(args: argparse.Namespace) -> Any:
                       prometheus_sd=None)
 
 
+def _service_args(args: argparse.Namespace, batch: int) -> dict[str, Any]:
+    """The ServiceConfig args every service-side run here uses (the app's, and the actors the engine drives)."""
+    return {"dtype": args.dtype, "policy": args.policy, "num_threads": args.threads, "max_batch_size": batch}
+
+
 @contextlib.contextmanager
 def serving(batch: int, args: argparse.Namespace) -> Iterator[str]:
     """A local Ray cluster with the app up (as `dsde serve` starts it); yields its chat completions URL."""
@@ -130,9 +135,7 @@ def serving(batch: int, args: argparse.Namespace) -> Iterator[str]:
 
     opts = _cluster_options(args)
     with local_cluster(opts):
-        app_args = {"model_name": "dsde", "dtype": args.dtype, "policy": args.policy, "num_threads": args.threads,
-                    "max_batch_size": batch}
-        serve.run(build_app(app_args), name="bench", route_prefix="/")
+        serve.run(build_app({"model_name": "dsde", **_service_args(args, batch)}), name="bench", route_prefix="/")
         yield f"{opts.url}/v1/chat/completions"
 
 
@@ -235,17 +238,32 @@ def _engine_run(engine: Any, tokenizer: Any, prompts: list[str], args: argparse.
     return (tokens / seconds, [r.text for r in reqs], tokens), where
 
 
+def _actor_engine(actors: Any, cfg: Any) -> Any:
+    """dsde_core's engine in this process over the actors by plain actor calls, as the replica builds it (without
+    its metrics wrapper)."""
+    from dsde_core.engine import Engine
+    from services import transport
+    from services.proxies import ControllerProxy, DraftProxy, TargetProxy
+
+    transport.register()  # as the replica does
+    info = actors.target_info
+    return Engine(TargetProxy(actors.target), DraftProxy(actors.draft), ControllerProxy(actors.controller),
+                  info.tokenizer, cfg.engine_config(), eos_ids=info.eos_ids, vocab_size=info.vocab_size)
+
+
+def _print_medians(runs: dict[str, list[float]]) -> None:
+    for name, values in runs.items():
+        print(f"{name}: median {statistics.median(values):.2f} tok/s of {[round(v, 2) for v in values]}")
+
+
 def step_split(args: argparse.Namespace) -> None:
     """The in-process engine; then, with the app up, `--rounds` times the same engine in this process driving a
     second set of model actors and controller through plain actor calls (as the replica does, without Serve, HTTP
     or streaming) and the service's burst; then the in-process engine again (reloaded: three copies of the models do
     not fit in 24 GiB). Tokens/s and, for the engines, where a step's time went: the service's path split into what
     the models in actors cost and what Serve, HTTP and streaming cost."""
-    from dsde_core.engine import Engine
-    from services import transport
     from services.config import PolicyConfig, ServiceConfig
     from services.placement import start_actors
-    from services.proxies import ControllerProxy, DraftProxy, TargetProxy
 
     prompts = PROMPTS[: args.batch]
     runs: dict[str, list[float]] = {"in-process": [], "engine here, models in actors": [], "service": []}
@@ -261,25 +279,31 @@ def step_split(args: argparse.Namespace) -> None:
 
     local_run()
     with serving(len(prompts), args) as url:
-        cfg = ServiceConfig.from_args({"dtype": args.dtype, "policy": args.policy, "num_threads": args.threads,
-                                       "max_batch_size": len(prompts), "draft_num_cpus": 0, "target_num_cpus": 0})
+        cfg = ServiceConfig.from_args({**_service_args(args, len(prompts)), "draft_num_cpus": 0, "target_num_cpus": 0})
         actors = start_actors(cfg, PolicyConfig(policy=cfg.policy))  # the app's hold the cluster's logical CPUs
         try:
-            transport.register()  # as the replica does
-            info = actors.target_info
-            engine = Engine(TargetProxy(actors.target), DraftProxy(actors.draft), ControllerProxy(actors.controller),
-                            info.tokenizer, cfg.engine_config(), eos_ids=info.eos_ids, vocab_size=info.vocab_size)
-            _engine_run(engine, info.tokenizer, prompts, args)  # warm-up
+            engine, tokenizer = _actor_engine(actors, cfg), actors.target_info.tokenizer
+            _engine_run(engine, tokenizer, prompts, args)  # warm-up
             asyncio.run(burst(url, prompts, args.max_tokens))  # warm-up
             time.sleep(SETTLE_S)
             for _ in range(args.rounds):
-                report("engine here, models in actors", *_engine_run(engine, info.tokenizer, prompts, args))
+                report("engine here, models in actors", *_engine_run(engine, tokenizer, prompts, args))
                 report("service", asyncio.run(burst(url, prompts, args.max_tokens)))
         finally:
             actors.kill()
     local_run()
-    for name, values in runs.items():
-        print(f"{name}: median {statistics.median(values):.2f} tok/s of {[round(v, 2) for v in values]}")
+    _print_medians(runs)
+
+
+def _timed(host: type, method: str) -> type:
+    """`host` whose `method` adds the seconds spent inside it to `spent`; `seconds()` reads it."""
+    def timed(self: Any, *call_args: Any) -> Any:
+        t0 = time.perf_counter()
+        out = getattr(host, method)(self, *call_args)
+        self.spent += time.perf_counter() - t0
+        return out
+
+    return type(f"Timed{host.__name__}", (host,), {"spent": 0.0, method: timed, "seconds": lambda self: self.spent})
 
 
 def actors_alone(args: argparse.Namespace) -> None:
@@ -288,70 +312,37 @@ def actors_alone(args: argparse.Namespace) -> None:
     how long propose and verify took inside the actors (the rest of a call is Ray's)."""
     import ray
 
-    from dsde_core.engine import Engine
-    from services import transport
     from services.actors import DraftHost, TargetHost
     from services.config import PolicyConfig, ServiceConfig
-    from services.controller import Controller
     from services.launch import local_cluster
-    from services.proxies import ControllerProxy, DraftProxy, TargetProxy
-
-    class TimedDraft(DraftHost):
-        spent = 0.0  # seconds inside propose
-
-        def propose(self, tasks: Any, stop: Any = None) -> Any:
-            t0 = time.perf_counter()
-            out = super().propose(tasks, stop)
-            self.spent += time.perf_counter() - t0
-            return out
-
-        def seconds(self) -> float:
-            return self.spent
-
-    class TimedTarget(TargetHost):
-        spent = 0.0  # seconds inside verify
-
-        def verify(self, tasks: Any) -> Any:
-            t0 = time.perf_counter()
-            out = super().verify(tasks)
-            self.spent += time.perf_counter() - t0
-            return out
-
-        def seconds(self) -> float:
-            return self.spent
+    from services.placement import start_actors
 
     prompts = PROMPTS[: args.batch]
     llm = load_in_process(args, len(prompts))
     in_process(llm, prompts, args)  # warm-up; sets the policy
-    cfg = ServiceConfig.from_args({"dtype": args.dtype, "policy": args.policy, "num_threads": args.threads,
-                                   "max_batch_size": len(prompts)})
-    common = dict(dtype=cfg.dtype, device=cfg.device, max_batch_size=cfg.max_batch_size, max_seq_len=cfg.max_seq_len,
-                  num_threads=cfg.num_threads)
+    cfg = ServiceConfig.from_args(_service_args(args, len(prompts)))
     runs: dict[str, list[float]] = {"in-process": [], "engine here, models in actors": []}
     with local_cluster(_cluster_options(args), with_serve=False):
-        target = ray.remote(TimedTarget).options(num_cpus=cfg.target_num_cpus).remote(cfg.target, **common)
-        draft = ray.remote(TimedDraft).options(num_cpus=cfg.draft_num_cpus).remote(
-            cfg.draft, top_k=cfg.draft_top_k, quant=cfg.draft_quant, window=cfg.draft_window, **common)
-        controller = ray.remote(Controller).options(num_cpus=0).remote(PolicyConfig(policy=cfg.policy))
-        info = ray.get(target.describe.remote())
-        ray.get(draft.describe.remote())
-        transport.register()  # as the replica does
-        engine = Engine(TargetProxy(target), DraftProxy(draft), ControllerProxy(controller), info.tokenizer,
-                        cfg.engine_config(), eos_ids=info.eos_ids, vocab_size=info.vocab_size)
-        _engine_run(engine, info.tokenizer, prompts, args)  # warm-up
+        actors = start_actors(cfg, PolicyConfig(policy=cfg.policy),
+                              hosts=(_timed(TargetHost, "verify"), _timed(DraftHost, "propose")))
+        engine, tokenizer = _actor_engine(actors, cfg), actors.target_info.tokenizer
+        timed = [actors.draft, actors.target]
+
+        def inside() -> list[float]:
+            return ray.get([actor.seconds.remote() for actor in timed])
+
+        _engine_run(engine, tokenizer, prompts, args)  # warm-up
         for _ in range(args.rounds):
             run, where = _engine_run(llm.engine, llm.tokenizer, prompts, args)
             runs["in-process"].append(run[0])
             print(f"in-process: {run[2]} tokens at {run[0]:.2f} tok/s; {where}", flush=True)
-            before = ray.get([draft.seconds.remote(), target.seconds.remote()])
-            run, where = _engine_run(engine, info.tokenizer, prompts, args)
-            inside = [a - b for a, b in zip(ray.get([draft.seconds.remote(), target.seconds.remote()]), before,
-                                             strict=True)]
+            before = inside()
+            run, where = _engine_run(engine, tokenizer, prompts, args)
+            spent = [a - b for a, b in zip(inside(), before, strict=True)]
             runs["engine here, models in actors"].append(run[0])
             print(f"engine here, models in actors: {run[2]} tokens at {run[0]:.2f} tok/s; {where}; inside the "
-                  f"actors: propose {inside[0]:.2f} s, verify {inside[1]:.2f} s", flush=True)
-    for name, values in runs.items():
-        print(f"{name}: median {statistics.median(values):.2f} tok/s of {[round(v, 2) for v in values]}")
+                  f"actors: propose {spent[0]:.2f} s, verify {spent[1]:.2f} s", flush=True)
+    _print_medians(runs)
 
 
 def main() -> int:

@@ -63,18 +63,21 @@ def model_env(cfg: ServiceConfig) -> dict[str, str]:
     return {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": cap, "LRU_CACHE_CAPACITY": cap}
 
 
-def start_actors(cfg: ServiceConfig, policy: PolicyConfig) -> Actors:
-    """Create the three actors and wait until both models are loaded; ModelLoadError names what failed."""
+def start_actors(cfg: ServiceConfig, policy: PolicyConfig,
+                 hosts: tuple[type[TargetHost], type[DraftHost]] = (TargetHost, DraftHost)) -> Actors:
+    """Create the three actors and wait until both models are loaded; ModelLoadError names what failed. `hosts`: the
+    target and draft host classes (a benchmark passes subclasses that time their calls)."""
     common = dict(dtype=cfg.dtype, device=cfg.device, max_batch_size=cfg.max_batch_size,
                   max_seq_len=cfg.max_seq_len, num_threads=cfg.num_threads)
     restarts, tag, env = cfg.actor_max_restarts, uuid.uuid4().hex[:8], model_env(cfg)
     names = {role: f"dsde-{role}-{tag}" for role in ("target", "draft", "controller")}
-    target = ray.remote(TargetHost).options(
+    target_host, draft_host = hosts
+    target = ray.remote(target_host).options(
         **_resources(cfg.target_num_cpus, cfg.target_num_gpus, restarts, names["target"], env)).remote(
         cfg.target, **common)
     draft = None
     if cfg.draft is not None:
-        draft = ray.remote(DraftHost).options(
+        draft = ray.remote(draft_host).options(
             **_resources(cfg.draft_num_cpus, cfg.draft_num_gpus, restarts, names["draft"], env)).remote(
             cfg.draft, top_k=cfg.draft_top_k, quant=cfg.draft_quant, window=cfg.draft_window, **common)
     else:
