@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import sys
 import time
 
 import psutil
-from service_throughput import PROMPTS, SETTLE_S, burst, serving
+from service_throughput import PROMPTS, SETTLE_S, burst, print_medians, serving
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
@@ -82,8 +81,7 @@ def main() -> int:
             runs[name].append(tok_s)
             print(f"round {r + 1} {name}: {tok_s:.2f} tok/s ({tokens} tokens); the target actor sees {seen}",
                   flush=True)
-    for name, values in runs.items():
-        print(f"{name}: median {statistics.median(values):.2f} tok/s of {[round(v, 2) for v in values]}")
+    print_medians(runs)
     return 0
 
 

@@ -251,7 +251,8 @@ def _actor_engine(actors: Any, cfg: Any) -> Any:
                   info.tokenizer, cfg.engine_config(), eos_ids=info.eos_ids, vocab_size=info.vocab_size)
 
 
-def _print_medians(runs: dict[str, list[float]]) -> None:
+def print_medians(runs: dict[str, list[float]]) -> None:
+    """Each kind of run's median tokens/s and its runs."""
     for name, values in runs.items():
         print(f"{name}: median {statistics.median(values):.2f} tok/s of {[round(v, 2) for v in values]}")
 
@@ -292,7 +293,7 @@ def step_split(args: argparse.Namespace) -> None:
         finally:
             actors.kill()
     local_run()
-    _print_medians(runs)
+    print_medians(runs)
 
 
 def _timed(host: type, method: str) -> type:
@@ -342,7 +343,7 @@ def actors_alone(args: argparse.Namespace) -> None:
             runs["engine here, models in actors"].append(run[0])
             print(f"engine here, models in actors: {run[2]} tokens at {run[0]:.2f} tok/s; {where}; inside the "
                   f"actors: propose {spent[0]:.2f} s, verify {spent[1]:.2f} s", flush=True)
-    _print_medians(runs)
+    print_medians(runs)
 
 
 def main() -> int:
