@@ -5,6 +5,8 @@
     .venv/bin/python benchmarks/service_throughput.py --idle-profile 30
     .venv/bin/python benchmarks/service_throughput.py --busy-profile
     .venv/bin/python benchmarks/service_throughput.py --step-split [--rounds 3]
+    .venv/bin/python benchmarks/service_throughput.py --beside [--companies none,serve,pair,memory,ticker,app]
+        [--rounds 3]
 
 The embedded pair, greedy, chat prompts, all `--batch` requests at once (continuous batching with batch-size
 slots). In-process (dsde_core's SpeculativeLLM), then `--rounds` times: a local Ray cluster with the app
@@ -25,7 +27,11 @@ through the service (both after a warm-up run): where the path's CPU goes, proce
 `--step-split` runs the same engine three ways: in-process, in this process driving the model actors and the
 controller by plain actor calls (the replica's path without Serve, HTTP or streaming), and as the service; the two
 engines print where their steps' time went (propose, verify, the rest): whether the path's cost is the models in
-actors or Serve, HTTP and streaming.
+actors or Serve, HTTP and streaming. `--actors-alone` sets the in-process engine against the same engine driving
+model actors on a Ray cluster with nothing else. `--beside` drives one set of model actors with each of `--companies`
+up beside them in turn (nothing; Serve alone; a second idle pair of model actors; an idle actor holding as much
+memory; an idle actor whose thread wakes every 50 ms; the app up and idle): which part of the app's company slows
+the models in actors.
 
 The cluster runs its workers at nice 0, as `dsde serve` does: at Ray's default of 15 any other busy process
 on the machine starves the model actors and the comparison with the nice-0 in-process run means nothing
@@ -346,6 +352,150 @@ def actors_alone(args: argparse.Namespace) -> None:
     print_medians(runs)
 
 
+COMPANIES = ("none", "serve", "pair", "memory", "ticker", "app")
+TICK_S = 0.05  # the ticker's period: as dsde_core.async_engine.AsyncEngine's idle_wait_s
+PAIR_GB = 7.5  # memory in use rises by this much when an idle pair of model actors starts here (bf16), for "memory"
+
+
+class _Ballast:
+    """An idle actor holding `gb` GiB it has written to (every page resident): memory in use without models."""
+
+    def __init__(self, gb: float) -> None:
+        self.block = bytearray(int(gb * 2**30))
+        self.block[:: 4096] = b"\1" * len(range(0, len(self.block), 4096))
+
+    def ready(self) -> bool:
+        return True
+
+
+class _Ticker:
+    """An idle actor whose thread wakes every TICK_S and goes back to sleep, as an idle engine loop does."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.stop = threading.Event()
+        threading.Thread(target=self._tick, daemon=True).start()
+
+    def _tick(self) -> None:
+        while not self.stop.wait(TICK_S):
+            pass
+
+    def ready(self) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def _company(name: str, cfg: Any, args: argparse.Namespace) -> Iterator[None]:
+    """What runs beside the measured actors: nothing; Serve alone (controller and HTTP proxy, no app); a second pair
+    of model actors and controller, idle (~7.5 GiB more in use, no Serve); an idle actor holding as much memory as
+    that pair and nothing else; an idle actor whose thread wakes every TICK_S; the app up and idle (Serve, its replica
+    and the replica's own model actors)."""
+    import ray
+    from ray import serve
+
+    from services.app import build_app
+    from services.config import PolicyConfig
+    from services.placement import start_actors
+
+    opts = _cluster_options(args)
+    if name == "pair":
+        pair = start_actors(cfg, PolicyConfig(policy=cfg.policy))
+        try:
+            yield
+        finally:
+            pair.kill()
+        return
+    if name in ("memory", "ticker"):
+        idle = (ray.remote(_Ballast).options(num_cpus=0).remote(PAIR_GB) if name == "memory"
+                else ray.remote(_Ticker).options(num_cpus=0).remote())
+        ray.get(idle.ready.remote())
+        try:
+            yield
+        finally:
+            ray.kill(idle)
+        return
+    if name in ("serve", "app"):
+        serve.start(http_options={"host": opts.host, "port": opts.port})
+        try:
+            if name == "app":
+                serve.run(build_app({"model_name": "dsde", **_service_args(args, cfg.max_batch_size)}), name="bench",
+                          route_prefix="/")
+            yield
+        finally:
+            serve.shutdown()
+        return
+    yield
+
+
+def _company_cpu(before: CpuTimes) -> str:
+    """The CPU every process but this one and the measured (timed) model actors took since `before`: the company's
+    share of the 2 cores while the engine ran, and the processes that took most of it."""
+    import os
+
+    used = []
+    for p, (t1, _) in _cpu_seconds().items():
+        cmd = " ".join(p.info["cmdline"] or [p.info["name"] or "?"])
+        if p in before and p.pid != os.getpid() and not cmd.startswith("ray::Timed"):
+            used.append((t1 - before[p][0], cmd.split()[0].rsplit("/", 1)[-1]))
+    used.sort(reverse=True)
+    most = ", ".join(f"{name} {u:.2f} s" for u, name in used[:5])
+    return f"the rest of the machine {sum(u for u, _ in used):.2f} CPU s (most: {most})"
+
+
+def with_company(args: argparse.Namespace) -> None:
+    """The engine in this process driving one set of model actors by plain actor calls (as `--actors-alone`), with
+    each of `--companies` up beside them in turn, `--rounds` times round-robin (each company started before its
+    run and stopped after it): which part of the app's company slows the model actors. Propose and verify are also
+    timed inside the actors."""
+    import psutil
+    import ray
+
+    from services.actors import DraftHost, TargetHost
+    from services.config import PolicyConfig, ServiceConfig
+    from services.launch import local_cluster
+    from services.placement import start_actors
+
+    prompts = PROMPTS[: args.batch]
+    cfg = ServiceConfig.from_args(_service_args(args, len(prompts)))
+    runs: dict[str, list[float]] = {name: [] for name in args.companies}
+    with local_cluster(_cluster_options(args), with_serve=False):
+        # no logical CPUs for the measured set: a company's actors (the app's, a second pair) hold the cluster's
+        measured = ServiceConfig.from_args({**_service_args(args, len(prompts)), "draft_num_cpus": 0,
+                                            "target_num_cpus": 0})
+        actors = start_actors(measured, PolicyConfig(policy=cfg.policy),
+                              hosts=(_timed(TargetHost, "verify"), _timed(DraftHost, "propose")))
+        engine, tokenizer = _actor_engine(actors, measured), actors.target_info.tokenizer
+        timed = [actors.draft, actors.target]
+        _engine_run(engine, tokenizer, prompts, args)  # warm-up
+        for r in range(args.rounds):
+            for name in args.companies:
+                with _company(name, cfg, args):
+                    time.sleep(SETTLE_S)
+                    in_use = psutil.virtual_memory().used / 2**30
+                    before, cpu_before = ray.get([actor.seconds.remote() for actor in timed]), _cpu_seconds()
+                    run, where = _engine_run(engine, tokenizer, prompts, args)
+                    spent = [a - b for a, b in zip(ray.get([a.seconds.remote() for a in timed]), before, strict=True)]
+                    others = _company_cpu(cpu_before)
+                runs[name].append(run[0])
+                print(f"round {r + 1}, beside {name} ({in_use:.1f} GiB of memory in use): {run[2]} tokens at "
+                      f"{run[0]:.2f} tok/s; {where}; inside the actors: propose {spent[0]:.2f} s, verify "
+                      f"{spent[1]:.2f} s; {others}", flush=True)
+    print_medians(runs)
+    first = args.companies[0]
+    for name in args.companies[1:]:
+        ratios = [a / b for a, b in zip(runs[name], runs[first], strict=True)]
+        print(f"beside {name} / beside {first}, round by round: {[round(x, 3) for x in ratios]}, median "
+              f"{statistics.median(ratios):.3f}")
+
+
+def _companies(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names or any(n not in COMPANIES for n in names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"a comma-separated list of distinct names from {', '.join(COMPANIES)}")
+    return names
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-tokens", type=int, default=128)
@@ -366,7 +516,15 @@ def main() -> int:
     p.add_argument("--actors-alone", action="store_true",
                    help="instead: in-process and the engine driving model actors on a Ray cluster without Serve, "
                         "--rounds times round-robin; step times, and propose and verify timed inside the actors")
+    p.add_argument("--beside", action="store_true",
+                   help="instead: the engine driving model actors with each of --companies up beside them in turn, "
+                        "--rounds times round-robin; tokens/s, step times, propose and verify inside the actors")
+    p.add_argument("--companies", type=_companies, default=list(COMPANIES),
+                   help=f"with --beside: what runs beside the actors, in order (default {','.join(COMPANIES)}; the "
+                        "first is the reference of the printed ratios)")
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     if args.idle_profile is not None:
         if args.idle_profile <= 0:
             p.error("--idle-profile must be > 0 seconds")
@@ -381,8 +539,9 @@ def main() -> int:
     if args.actors_alone:
         actors_alone(args)
         return 0
-    if args.rounds < 1:
-        p.error("--rounds must be >= 1")
+    if args.beside:
+        with_company(args)
+        return 0
     prompts = PROMPTS[: args.batch]
     code = code_version()  # the commit the figures are measured with (BENCHMARKS.md names a run that predates a change)
     llm = load_in_process(args, len(prompts))  # stays loaded (idle) while a service runs: ~5 GB beside its actors

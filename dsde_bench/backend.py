@@ -147,8 +147,9 @@ def tiny_encode(text: str, max_tokens: int = 48) -> list[int]:
 
 
 def tiny_backend(max_batch: int = 4, max_seq_len: int = 512, max_sl: int = 20, noise: float = 0.03,
-                 seed: int = 0, draft_window: int | None = None) -> Backend:
-    """A random-weight 2-layer Qwen2 target and a noisy copy as draft, fp32: every code path in seconds."""
+                 seed: int = 0, draft_window: int | None = None, draft_noise: float = 0.0) -> Backend:
+    """A random-weight 2-layer Qwen2 target and a noisy copy as draft (`noise`: of its weights), fp32: every code path
+    in seconds. draft_noise: Gaussian noise on the draft's logits, as load_backend's."""
     from dsde_core.models.llama import LlamaModel
     from dsde_core.models.runner import ModelRunner
     from dsde_core.workers import DraftWorker, TargetWorker
@@ -157,12 +158,14 @@ def tiny_backend(max_batch: int = 4, max_seq_len: int = 512, max_sl: int = 20, n
     target = LlamaModel.from_hf(hf_target.config, _copy(hf_target), dtype=torch.float32)
     draft = LlamaModel.from_hf(hf_draft.config, _copy(hf_draft), dtype=torch.float32)
     config = EngineConfig(max_batch_size=max_batch, max_seq_len=max_seq_len, max_sl=max_sl, dtype="float32",
-                          draft_window=draft_window)
+                          draft_window=draft_window, draft_logit_noise=draft_noise)
     engine = Engine(TargetWorker(ModelRunner(target, max_batch, max_seq_len)),
                     DraftWorker.from_config(ModelRunner(draft, max_batch, max_seq_len), config),
                     make_policy("off"), _IdTokenizer(), config, vocab_size=TINY_VOCAB)
     desc = {"draft": f"tiny-random(noise={noise})", "target": "tiny-random", "dtype": "float32", "max_sl": max_sl,
             "max_seq_len": max_seq_len}
+    if draft_noise:
+        desc["draft_noise"] = draft_noise
     if draft_window is not None:
         desc["draft_window"] = draft_window
     return Backend(engine, tiny_encode, desc, lambda: (hf_target, hf_draft), pad_token_id=0)

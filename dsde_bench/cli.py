@@ -209,7 +209,7 @@ def _backend(args: argparse.Namespace, max_batch: int) -> Any:
 
     if args.tiny:
         return tiny_backend(max_batch=max_batch, max_sl=args.max_sl, max_seq_len=min(args.max_seq_len, 1024),
-                            draft_window=args.draft_window)
+                            draft_window=args.draft_window, draft_noise=args.draft_noise)
     kw = {k: v for k, v in (("draft", args.draft), ("target", args.target)) if v}
     print(f"loading models ({args.dtype}) ...", file=sys.stderr)
     return load_backend(dtype=args.dtype, max_batch=max_batch, max_seq_len=args.max_seq_len, max_sl=args.max_sl,
