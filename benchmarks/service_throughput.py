@@ -49,7 +49,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -57,6 +57,14 @@ from dsde_bench.ports import free_port
 from dsde_bench.provenance import code_version, run_meta
 from dsde_core.config import EngineConfig, SamplingParams
 from dsde_core.llm import SpeculativeLLM
+
+if TYPE_CHECKING:  # the service side is imported where it is used: a bad flag fails before Ray's import
+    import psutil
+
+    from dsde_core.engine import Engine
+    from services.config import ServiceConfig
+    from services.launch import LocalServe
+    from services.placement import Actors
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",
@@ -119,7 +127,7 @@ async def burst(url: str, prompts: list[str], max_tokens: int) -> Run:
 SETTLE_S = 5.0  # after serve.run returns, before anything is timed: past the tail of the cluster's start-up
 
 
-def _cluster_options(args: argparse.Namespace) -> Any:
+def _cluster_options(args: argparse.Namespace) -> LocalServe:
     from services.launch import LocalServe
 
     return LocalServe(port=free_port(), num_cpus=2, metrics_port=None, worker_niceness=args.worker_niceness,
@@ -153,7 +161,7 @@ def through_service(llm: SpeculativeLLM, prompts: list[str], args: argparse.Name
         return asyncio.run(burst(url, prompts, args.max_tokens)), beside
 
 
-CpuTimes = dict[Any, tuple[float, dict[int, float]]]  # psutil.Process -> (user + system seconds, per thread id)
+CpuTimes = dict["psutil.Process", tuple[float, dict[int, float]]]  # (user + system seconds, per thread id)
 
 
 def _cpu_seconds() -> CpuTimes:
@@ -225,7 +233,7 @@ def busy_profile(args: argparse.Namespace) -> None:
         _print_cpu(f"service, {run[2]} tokens at {run[0]:.2f} tok/s", before, time.perf_counter() - t0)
 
 
-def _engine_run(engine: Any, tokenizer: Any, prompts: list[str], args: argparse.Namespace) -> tuple[Run, str]:
+def _engine_run(engine: Engine, tokenizer: Any, prompts: list[str], args: argparse.Namespace) -> tuple[Run, str]:
     """One run of the prompts on an engine (chat, greedy): the run, and where its steps' time went (its step log)."""
     from dsde_core.llm import encode_prompt
 
@@ -244,7 +252,7 @@ def _engine_run(engine: Any, tokenizer: Any, prompts: list[str], args: argparse.
     return (tokens / seconds, [r.text for r in reqs], tokens), where
 
 
-def _actor_engine(actors: Any, cfg: Any) -> Any:
+def _actor_engine(actors: Actors, cfg: ServiceConfig) -> Engine:
     """dsde_core's engine in this process over the actors by plain actor calls, as the replica builds it (without
     its metrics wrapper)."""
     from dsde_core.engine import Engine
@@ -255,6 +263,11 @@ def _actor_engine(actors: Any, cfg: Any) -> Any:
     info = actors.target_info
     return Engine(TargetProxy(actors.target), DraftProxy(actors.draft), ControllerProxy(actors.controller),
                   info.tokenizer, cfg.engine_config(), eos_ids=info.eos_ids, vocab_size=info.vocab_size)
+
+
+def identical(first: list[str], texts: list[str]) -> str:
+    """How many of a run's outputs equal the first run's (greedy: every run of a mode should give the same)."""
+    return f"{sum(a == b for a, b in zip(first, texts, strict=True))} of {len(texts)} outputs as the first run's"
 
 
 def print_medians(runs: dict[str, list[float]]) -> None:
@@ -274,10 +287,13 @@ def step_split(args: argparse.Namespace) -> None:
 
     prompts = PROMPTS[: args.batch]
     runs: dict[str, list[float]] = {"in-process": [], "engine here, models in actors": [], "service": []}
+    first: list[str] = []  # the first run's outputs
 
     def report(name: str, run: Run, where: str = "") -> None:
         runs[name].append(run[0])
-        print(f"{name}: {run[2]} tokens at {run[0]:.2f} tok/s{'; ' + where if where else ''}", flush=True)
+        first[:] = first or run[1]
+        print(f"{name}: {run[2]} tokens at {run[0]:.2f} tok/s, {identical(first, run[1])}"
+              f"{'; ' + where if where else ''}", flush=True)
 
     def local_run() -> None:
         llm = load_in_process(args, len(prompts))
@@ -338,17 +354,18 @@ def actors_alone(args: argparse.Namespace) -> None:
         def inside() -> list[float]:
             return ray.get([actor.seconds.remote() for actor in timed])
 
-        _engine_run(engine, tokenizer, prompts, args)  # warm-up
+        first = _engine_run(engine, tokenizer, prompts, args)[0][1]  # warm-up
         for _ in range(args.rounds):
             run, where = _engine_run(llm.engine, llm.tokenizer, prompts, args)
             runs["in-process"].append(run[0])
-            print(f"in-process: {run[2]} tokens at {run[0]:.2f} tok/s; {where}", flush=True)
+            print(f"in-process: {run[2]} tokens at {run[0]:.2f} tok/s, {identical(first, run[1])}; {where}",
+                  flush=True)
             before = inside()
             run, where = _engine_run(engine, tokenizer, prompts, args)
             spent = [a - b for a, b in zip(inside(), before, strict=True)]
             runs["engine here, models in actors"].append(run[0])
-            print(f"engine here, models in actors: {run[2]} tokens at {run[0]:.2f} tok/s; {where}; inside the "
-                  f"actors: propose {spent[0]:.2f} s, verify {spent[1]:.2f} s", flush=True)
+            print(f"engine here, models in actors: {run[2]} tokens at {run[0]:.2f} tok/s, {identical(first, run[1])}; "
+                  f"{where}; inside the actors: propose {spent[0]:.2f} s, verify {spent[1]:.2f} s", flush=True)
     print_medians(runs)
 
 
@@ -386,7 +403,7 @@ class _Ticker:
 
 
 @contextlib.contextmanager
-def _company(name: str, cfg: Any, args: argparse.Namespace) -> Iterator[None]:
+def _company(name: str, cfg: ServiceConfig, args: argparse.Namespace) -> Iterator[None]:
     """What runs beside the measured actors: nothing; Serve alone (controller and HTTP proxy, no app); a second pair
     of model actors and controller, idle (~7.5 GiB more in use, no Serve); an idle actor holding as much memory as
     that pair and nothing else; an idle actor whose thread wakes every TICK_S; the app up and idle (Serve, its replica
@@ -467,7 +484,7 @@ def with_company(args: argparse.Namespace) -> None:
                               hosts=(_timed(TargetHost, "verify"), _timed(DraftHost, "propose")))
         engine, tokenizer = _actor_engine(actors, measured), actors.target_info.tokenizer
         timed = [actors.draft, actors.target]
-        _engine_run(engine, tokenizer, prompts, args)  # warm-up
+        first = _engine_run(engine, tokenizer, prompts, args)[0][1]  # warm-up
         for r in range(args.rounds):
             for name in args.companies:
                 with _company(name, cfg, args):
@@ -479,7 +496,8 @@ def with_company(args: argparse.Namespace) -> None:
                     others = _company_cpu(cpu_before)
                 runs[name].append(run[0])
                 print(f"round {r + 1}, beside {name} ({in_use:.1f} GiB of memory in use): {run[2]} tokens at "
-                      f"{run[0]:.2f} tok/s; {where}; inside the actors: propose {spent[0]:.2f} s, verify "
+                      f"{run[0]:.2f} tok/s, {identical(first, run[1])}; {where}; inside the actors: propose "
+                      f"{spent[0]:.2f} s, verify "
                       f"{spent[1]:.2f} s; {others}", flush=True)
     print_medians(runs)
     first = args.companies[0]

@@ -416,7 +416,11 @@ def _report(argv: list[str]) -> int:
                 doc.setdefault("meta", {})["plots"] = [str(x) for x in fn(doc, Path(a.results) / "plots")]
                 path.write_text(json.dumps(doc, indent=1))
                 print(f"redrew {len(doc['meta']['plots'])} plots of {path}")
-    print(f"wrote {write(a.results, a.out)}")
+    try:
+        print(f"wrote {write(a.results, a.out)}")
+    except DSDEError as e:  # a results file it cannot read: named, and the page left as it was
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -22,22 +22,31 @@ from dsde_bench.bound import bound_of, bound_ratios, bound_scores, pick_bound
 from dsde_bench.metrics import StepRow
 from dsde_bench.provenance import FIGURE_CODE, contains, last_change
 from dsde_bench.workloads import SOURCES
+from dsde_core.errors import ConfigError
 
 TARGET_WITHIN = 0.05  # issue 4: DSDE + cap within 5% of Static-opt's mean latency
 
 
+class ResultsError(ConfigError):
+    """A results file the page cannot read: named, so that a section never goes missing without a word."""
+
+
 def load(path: Path) -> dict[str, Any] | None:
-    """A results document; for a script's captured output (`... --json > file`), its last JSON line."""
+    """A results document (a JSON object, as the scripts' --json and `dsde bench` write it); None where the file does
+    not exist. Anything else there is a ResultsError naming the file."""
     try:
         text = path.read_text()
-    except OSError:
+    except FileNotFoundError:
         return None
-    for candidate in (text, *reversed([ln for ln in text.splitlines() if ln.startswith("{")])):
-        try:
-            return json.loads(candidate)
-        except json.JSONDecodeError:
-            continue
-    return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ResultsError(f"{path}: cannot be read ({e})") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ResultsError(f"{path}: not a JSON document ({e}); a script's --json FILE writes one") from None
+    if not isinstance(doc, dict):
+        raise ResultsError(f"{path}: a JSON {type(doc).__name__}, not a results document (an object)")
+    return doc
 
 
 def fmt(x: Any, spec: str = ".2f") -> str:

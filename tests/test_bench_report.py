@@ -6,7 +6,9 @@ import json
 import re
 from pathlib import Path
 
-from dsde_bench import report
+import pytest
+
+from dsde_bench import cli, report
 
 
 def _cell(w: str, pol: str, e2e: float, tps: float, bs: int = 1, kind: str = "engine", **extra) -> dict:
@@ -113,13 +115,13 @@ def test_cap_target_at_batch_16_comes_from_another_run(tmp_path) -> None:
     assert "goodput_batch.json" in line and "0.900x no-cap" in line and line.rstrip().endswith("| no |"), line
 
 
-def test_service_throughput_section_reads_the_scripts_captured_output(tmp_path) -> None:
+def test_service_throughput_section_reads_the_scripts_json(tmp_path) -> None:
     res = tmp_path / "results"
     res.mkdir()
     summary = {"in_process_tok_s": 40.0, "in_process_runs": [41.0, 39.0, 40.0], "service_tok_s": 34.0,
                "service_runs": [34.0, 30.0], "ratios": [0.85, 0.759], "ratio": 0.85, "identical": 8, "batch": 8,
                "max_tokens": 128, "policy": "dsde", "dtype": "bfloat16"}
-    (res / "service_throughput.json").write_text("in-process: 1024 tokens\nservice: ...\n" + json.dumps(summary))
+    (res / "service_throughput.json").write_text(json.dumps(summary))
     page = report.write(res, tmp_path / "BENCHMARKS.md").read_text()
     assert "| service / in-process | 0.850 |" in page and "| goal met (>= 0.9) | no |" in page, page
     assert "| service / in-process per run | 0.850, 0.759 |" in page and "2 service runs" in page
@@ -196,3 +198,20 @@ def test_the_probe_column_gives_each_cells_range_of_machine_probes() -> None:
     rows = {line.split(" | ")[0].lstrip("| "): line for line in first.splitlines() if line.endswith(" |")}
     assert rows["off"].endswith("| 50-76 |") and rows["static:2"].endswith("| 75-75 |")
     assert rows["dsde"].endswith("| - |")  # a cell of the same table without probes
+
+
+@pytest.mark.parametrize(("text", "why"), [("in-process: 1024 tokens\n{\"ratio\": 0.9}\n", "not a JSON document"),
+                                           ("[1, 2]", "a JSON list, not a results document")])
+def test_a_results_file_the_page_cannot_read_is_an_error_naming_it(tmp_path, capsys, text: str, why: str) -> None:
+    """Never a section silently missing: a results file that is not a JSON object stops the report with its name,
+    and the page is left as it was."""
+    res = tmp_path / "results"
+    res.mkdir()
+    (res / "service_throughput.json").write_text(text)
+    page = tmp_path / "BENCHMARKS.md"
+    page.write_text("the page before\n")
+    assert cli.main(["report", "--results", str(res), "--out", str(page)]) == 2
+    err = capsys.readouterr().err
+    assert f"{res / 'service_throughput.json'}: {why}" in err and "Traceback" not in err, err
+    assert page.read_text() == "the page before\n"
+    assert report.load(res / "absent.json") is None  # a run not made yet is no error

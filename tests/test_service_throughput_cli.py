@@ -38,3 +38,9 @@ def test_bad_arguments_are_a_cli_error_before_any_model_loads(argv: list[str], m
     res = subprocess.run([sys.executable, str(BENCHMARKS / "service_throughput.py"), *argv], capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_a_runs_outputs_are_counted_against_the_first_runs(throughput) -> None:
+    assert throughput.identical(["a", "b"], ["a", "c"]) == "1 of 2 outputs as the first run's"
+    with pytest.raises(ValueError):  # runs of different prompt counts are never compared
+        throughput.identical(["a"], ["a", "b"])
