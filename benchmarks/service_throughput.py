@@ -44,6 +44,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -415,7 +416,6 @@ def _company(name: str, cfg: ServiceConfig, args: argparse.Namespace) -> Iterato
     from services.config import PolicyConfig
     from services.placement import start_actors
 
-    opts = _cluster_options(args)
     if name == "pair":
         pair = start_actors(cfg, PolicyConfig(policy=cfg.policy))
         try:
@@ -433,6 +433,7 @@ def _company(name: str, cfg: ServiceConfig, args: argparse.Namespace) -> Iterato
             ray.kill(idle)
         return
     if name in ("serve", "app"):
+        opts = _cluster_options(args)
         serve.start(http_options={"host": opts.host, "port": opts.port})
         try:
             if name == "app":
@@ -448,8 +449,6 @@ def _company(name: str, cfg: ServiceConfig, args: argparse.Namespace) -> Iterato
 def _company_cpu(before: CpuTimes) -> str:
     """The CPU every process but this one and the measured (timed) model actors took since `before`: the company's
     share of the 2 cores while the engine ran, and the processes that took most of it."""
-    import os
-
     used = []
     for p, (t1, _) in _cpu_seconds().items():
         cmd = " ".join(p.info["cmdline"] or [p.info["name"] or "?"])
@@ -497,13 +496,12 @@ def with_company(args: argparse.Namespace) -> None:
                 runs[name].append(run[0])
                 print(f"round {r + 1}, beside {name} ({in_use:.1f} GiB of memory in use): {run[2]} tokens at "
                       f"{run[0]:.2f} tok/s, {identical(first, run[1])}; {where}; inside the actors: propose "
-                      f"{spent[0]:.2f} s, verify "
-                      f"{spent[1]:.2f} s; {others}", flush=True)
+                      f"{spent[0]:.2f} s, verify {spent[1]:.2f} s; {others}", flush=True)
     print_medians(runs)
-    first = args.companies[0]
+    reference = args.companies[0]
     for name in args.companies[1:]:
-        ratios = [a / b for a, b in zip(runs[name], runs[first], strict=True)]
-        print(f"beside {name} / beside {first}, round by round: {[round(x, 3) for x in ratios]}, median "
+        ratios = [a / b for a, b in zip(runs[name], runs[reference], strict=True)]
+        print(f"beside {name} / beside {reference}, round by round: {[round(x, 3) for x in ratios]}, median "
               f"{statistics.median(ratios):.3f}")
 
 

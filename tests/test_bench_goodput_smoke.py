@@ -24,8 +24,12 @@ def bench_commands(target: str) -> list[list[str]]:
     """The arguments of every `dsde bench` that `make TARGET` runs (its sub-makes' too), as `make -n` prints them."""
     printed = subprocess.run(["make", "-n", "--no-print-directory", target], cwd=ROOT, capture_output=True,
                              text=True, check=True).stdout.replace("\\\n", " ")
-    return [shlex.split(line)[2:] for line in printed.splitlines() if line.split()[:1]
-            and line.split()[0].endswith("/dsde") and line.split()[1:2] == ["bench"]]
+    commands = []
+    for line in printed.splitlines():
+        words = line.split()
+        if len(words) > 1 and words[0].endswith("/dsde") and words[1] == "bench":
+            commands.append(shlex.split(line)[2:])
+    return commands
 
 
 @needs_data
