@@ -88,7 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--draft-window", type=int, default=None, metavar="N",
                    help="EngineConfig.draft_window: the draft takes in only the last N tokens of a prompt (default: "
                         "off, the engine of the published figures; the in-process grid only)")
-    m.add_argument("--tiny", action="store_true", help="random-weight tiny pair instead of real models (smoke runs)")
+    m.add_argument("--tiny", action="store_true",
+                   help="random-weight tiny pair instead of real models (smoke runs; --draft, --target and --threads "
+                        "are refused beside it)")
 
     s = p.add_argument_group("simulator (--simulate)")
     s.add_argument("--simulate", action="store_true", help="trace-driven replay of every policy, with the oracle")
@@ -140,6 +142,9 @@ def run(args: argparse.Namespace) -> int:
                  "--probe-forwards": args.probe_forwards is not None}
         for flag in [f for f, on in given.items() if on and (args.url or args.simulate)]:
             raise ConfigError(f"{flag} runs the in-process grid only (not --url or --simulate)")
+        real = {"--draft": args.draft, "--target": args.target, "--threads": args.threads}  # what --tiny cannot honour
+        for flag in [f for f, value in real.items() if value is not None and args.tiny]:
+            raise ConfigError(f"{flag} sets up a real model; --tiny runs the tiny random pair without it")
         if args.draft_window is not None:
             from dsde_core.config import EngineConfig
 

@@ -173,6 +173,15 @@ def test_grid_only_flags_outside_the_grid_are_a_clear_error(tmp_path, capsys) ->
     assert not any(tmp_path.iterdir())
 
 
+def test_real_model_flags_with_tiny_are_a_clear_error(tmp_path, capsys) -> None:
+    """--tiny builds its own random pair: a model or thread count given beside it would be silently ignored."""
+    for flag in (["--draft", "qwen2.5-0.5b-instruct"], ["--target", "/models/x"], ["--threads", "1"]):
+        rc = cli.main(["--tiny", *flag, "--results-dir", str(tmp_path), "--no-report"])
+        err = capsys.readouterr().err
+        assert rc == 2 and f"{flag[0]} sets up a real model; --tiny runs the tiny random pair" in err, err
+    assert not any(tmp_path.iterdir())
+
+
 def test_draft_window_reaches_the_grid_engine_and_nothing_else(tmp_path, capsys) -> None:
     """--draft-window N: the engine's config and its draft worker get N and the run's backend records it; off by
     default; --simulate and --url refuse it, and a bad N is an error naming draft_window before anything runs."""
