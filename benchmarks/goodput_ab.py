@@ -24,12 +24,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-from dsde_bench.backend import load_backend
+from dsde_bench.backend import Backend, load_backend
 from dsde_bench.provenance import code_version, run_meta
 from dsde_bench.runner import WARM_SEED_OFFSET, Warmup, drive, other_prompts, round_seed, run_cell, sampling_params
 from dsde_bench.workloads import DEFAULT_MAX_CHARS, load_workload
+from dsde_core.config import SamplingParams
 from dsde_core.errors import ConfigError
 from dsde_core.policies import SpeculationPolicy, make_policy
 
@@ -60,9 +62,8 @@ def build(spec: str) -> SpeculationPolicy:
     return policy_at(rev)() if rev else make_policy(name)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--policies", default="off,static:1,dsde-goodput@HEAD,dsde-goodput")
+def cell_arguments(ap: argparse.ArgumentParser) -> None:
+    """The cell's options (the goodput_lowacc cell by default)."""
     ap.add_argument("--workload", default="chat")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--batch", type=int, default=4)
@@ -71,17 +72,29 @@ def main() -> None:
     ap.add_argument("--warm-requests", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+
+
+def check_cell(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if min(args.rounds, args.num_prompts, args.max_tokens, args.batch) < 1:
         ap.error("--rounds, --num-prompts, --max-tokens and --batch must be >= 1")
-    specs = args.policies.split(",")
-    try:
-        for s in specs:
-            build(s)  # a bad spec or revision fails before the models load
-    except ConfigError as e:
-        raise SystemExit(f"goodput_ab: {e}") from None
-    code = code_version()
+
+
+@dataclass
+class Cell:
+    backend: Backend
+    ids: list[list[int]]  # the prompts' token ids
+    pids: list[str]
+    warm: Warmup  # what a policy that learns across requests serves first
+
+    def params(self, args: argparse.Namespace, rnd: int) -> list[SamplingParams]:
+        """Round rnd's sampling parameters (new seeds each round at T > 0, shared by every policy)."""
+        return sampling_params(len(self.ids), args.max_tokens, args.temperature,
+                               round_seed(args.seed, rnd, args.temperature), True)
+
+
+def load_cell(args: argparse.Namespace) -> Cell:
+    """The embedded pair, the cell's prompts and its warm-up prompts, as `dsde bench` runs the cell; one short
+    warm-up run done."""
     backend = load_backend(max_batch=args.batch)
     max_chars = DEFAULT_MAX_CHARS
     prompts = load_workload(args.workload, args.num_prompts, args.seed, max_chars)
@@ -91,12 +104,30 @@ def main() -> None:
     warm = Warmup([backend.encode(p.text) for p in warm_p], [f"warm-{i}" for i in range(len(warm_p))],
                   sampling_params(len(warm_p), args.max_tokens, args.temperature, args.seed + WARM_SEED_OFFSET, True))
     drive(backend.engine, ids[:2], pids[:2], sampling_params(2, 4, args.temperature, args.seed, True), 2)  # warm-up
+    return Cell(backend, ids, pids, warm)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--policies", default="off,static:1,dsde-goodput@HEAD,dsde-goodput")
+    cell_arguments(ap)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    check_cell(ap, args)
+    specs = args.policies.split(",")
+    try:
+        for s in specs:
+            build(s)  # a bad spec or revision fails before the models load
+    except ConfigError as e:
+        raise SystemExit(f"goodput_ab: {e}") from None
+    code = code_version()
+    cell = load_cell(args)
+    backend, ids, pids, warm = cell.backend, cell.ids, cell.pids, cell.warm
     walls: dict[str, list[float]] = {s: [] for s in specs}
     steps: dict[str, list[list[list[float]]]] = {s: [] for s in specs}  # per spec, per round: the run's steps
     tokens = args.num_prompts * args.max_tokens
     for rnd in range(args.rounds):
-        params = sampling_params(len(ids), args.max_tokens, args.temperature,
-                                 round_seed(args.seed, rnd, args.temperature), True)
+        params = cell.params(args, rnd)
         for s in specs:
             run = run_cell(backend.engine, build(s), ids, pids, params, args.batch, watch=0, warm=warm)
             walls[s].append(run.wall_s)
