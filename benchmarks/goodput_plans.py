@@ -1,14 +1,14 @@
 """dsde-goodput's plans row by row in one cell, run as benchmarks/goodput_ab.py runs it: where it drafts, where it
 does not, and what it knew then. Not a test.
 
-    python benchmarks/goodput_plans.py [--workload chat] [--temperature 1] [--batch 4] [--num-prompts 16]
-                                       [--max-tokens 48] [--rounds 1] [--all]
+    python benchmarks/goodput_plans.py [--policy dsde-goodput] [--workload chat] [--temperature 1] [--batch 4]
+                                       [--num-prompts 16] [--max-tokens 48] [--rounds 1] [--all]
 
 Per round: the wall time, then the plans at a batch below --batch (the cell's tail, once no request is left to
 admit; --all: every plan) and the three before them. A plan prints its batch, whether the policy read the batch as
 open (a request joined running ones) and, per row: its request, tokens left, the engine's ceiling on k, the planned k,
 the draft's lag (context tokens the draft must take in before the row drafts: its whole context while it never
-drafted) and the policy's p_first, pbar and on/off.
+drafted) and the policy's p_first, pbar and on/off (another --policy prints what its stats() gives).
 """
 
 from __future__ import annotations
