@@ -37,7 +37,8 @@ class PlanRow:
     stats: dict[str, float]  # the policy's own (dsde-goodput: p_first, pbar, on, ...)
 
     def __str__(self) -> str:
-        known = " ".join(f"{name} {self.stats[name]:.2f}" for name in ("p_first", "pbar", "on") if name in self.stats)
+        names = [n for n in ("p_first", "pbar", "on") if n in self.stats] or sorted(self.stats)  # another policy's
+        known = " ".join(f"{name} {self.stats[name]:.2f}" for name in names)
         return (f"{self.req_id}: left {self.remaining}, max_k {self.max_k}, k {self.k}, draft lag {self.draft_lag}"
                 + (f", {known}" if known else ""))
 

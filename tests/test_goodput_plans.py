@@ -49,6 +49,11 @@ def test_goodputs_rows_carry_what_it_knew(plans) -> None:
     assert isinstance(log.plans[0].open, bool) and "left 6, max_k" in str(log.plans[0]) and "pbar" in str(first)
 
 
+def test_another_policys_stats_are_printed_whole(plans) -> None:
+    row = plans.PlanRow("r", 5, 4, 2, 0, {"wvir": 0.5, "cap": 3.0})
+    assert str(row) == "r: left 5, max_k 4, k 2, draft lag 0, cap 3.00 wvir 0.50"
+
+
 def test_the_tail_starts_three_plans_before_the_batch_shrinks_for_good(plans) -> None:
     def record(batch: int):
         return plans.PlanRecord(0, None, [plans.PlanRow(str(i), 1, 1, 0, 0, {}) for i in range(batch)])
