@@ -330,16 +330,40 @@ def _timed(host: type, method: str) -> type:
     return type(f"Timed{host.__name__}", (host,), {"spent": 0.0, method: timed, "seconds": lambda self: self.spent})
 
 
+class TimedActors:
+    """One set of model actors whose propose and verify time themselves, and the engine in this process driving them
+    by plain actor calls (start it on a running cluster)."""
+
+    def __init__(self, cfg: ServiceConfig) -> None:
+        from services.actors import DraftHost, TargetHost
+        from services.config import PolicyConfig
+        from services.placement import start_actors
+
+        actors = start_actors(cfg, PolicyConfig(policy=cfg.policy),
+                              hosts=(_timed(TargetHost, "verify"), _timed(DraftHost, "propose")))
+        self.engine, self.tokenizer = _actor_engine(actors, cfg), actors.target_info.tokenizer
+        self._timed = [actors.draft, actors.target]
+
+    def _inside(self) -> list[float]:
+        import ray
+
+        return ray.get([actor.seconds.remote() for actor in self._timed])
+
+    def run(self, prompts: list[str], args: argparse.Namespace) -> tuple[Run, str]:
+        """_engine_run on the actors; where the time went ends with how long propose and verify took inside them
+        (the rest of a call is Ray's)."""
+        before = self._inside()
+        run, where = _engine_run(self.engine, self.tokenizer, prompts, args)
+        spent = [a - b for a, b in zip(self._inside(), before, strict=True)]
+        return run, f"{where}; inside the actors: propose {spent[0]:.2f} s, verify {spent[1]:.2f} s"
+
+
 def actors_alone(args: argparse.Namespace) -> None:
     """The in-process engine and the same engine driving model actors and a controller by plain actor calls on a Ray
     cluster with nothing else on it (no Serve, no app), `--rounds` times round-robin: the engines' step times, and
     how long propose and verify took inside the actors (the rest of a call is Ray's)."""
-    import ray
-
-    from services.actors import DraftHost, TargetHost
-    from services.config import PolicyConfig, ServiceConfig
+    from services.config import ServiceConfig
     from services.launch import local_cluster
-    from services.placement import start_actors
 
     prompts = PROMPTS[: args.batch]
     llm = load_in_process(args, len(prompts))
@@ -347,26 +371,17 @@ def actors_alone(args: argparse.Namespace) -> None:
     cfg = ServiceConfig.from_args(_service_args(args, len(prompts)))
     runs: dict[str, list[float]] = {"in-process": [], "engine here, models in actors": []}
     with local_cluster(_cluster_options(args), with_serve=False):
-        actors = start_actors(cfg, PolicyConfig(policy=cfg.policy),
-                              hosts=(_timed(TargetHost, "verify"), _timed(DraftHost, "propose")))
-        engine, tokenizer = _actor_engine(actors, cfg), actors.target_info.tokenizer
-        timed = [actors.draft, actors.target]
-
-        def inside() -> list[float]:
-            return ray.get([actor.seconds.remote() for actor in timed])
-
-        first = _engine_run(engine, tokenizer, prompts, args)[0][1]  # warm-up
+        actors = TimedActors(cfg)
+        first = actors.run(prompts, args)[0][1]  # warm-up
         for _ in range(args.rounds):
             run, where = _engine_run(llm.engine, llm.tokenizer, prompts, args)
             runs["in-process"].append(run[0])
             print(f"in-process: {run[2]} tokens at {run[0]:.2f} tok/s, {identical(first, run[1])}; {where}",
                   flush=True)
-            before = inside()
-            run, where = _engine_run(engine, tokenizer, prompts, args)
-            spent = [a - b for a, b in zip(inside(), before, strict=True)]
+            run, where = actors.run(prompts, args)
             runs["engine here, models in actors"].append(run[0])
             print(f"engine here, models in actors: {run[2]} tokens at {run[0]:.2f} tok/s, {identical(first, run[1])}; "
-                  f"{where}; inside the actors: propose {spent[0]:.2f} s, verify {spent[1]:.2f} s", flush=True)
+                  f"{where}", flush=True)
     print_medians(runs)
 
 
@@ -465,38 +480,28 @@ def with_company(args: argparse.Namespace) -> None:
     run and stopped after it): which part of the app's company slows the model actors. Propose and verify are also
     timed inside the actors."""
     import psutil
-    import ray
 
-    from services.actors import DraftHost, TargetHost
-    from services.config import PolicyConfig, ServiceConfig
+    from services.config import ServiceConfig
     from services.launch import local_cluster
-    from services.placement import start_actors
 
     prompts = PROMPTS[: args.batch]
     cfg = ServiceConfig.from_args(_service_args(args, len(prompts)))
     runs: dict[str, list[float]] = {name: [] for name in args.companies}
     with local_cluster(_cluster_options(args), with_serve=False):
         # no logical CPUs for the measured set: a company's actors (the app's, a second pair) hold the cluster's
-        measured = ServiceConfig.from_args({**_service_args(args, len(prompts)), "draft_num_cpus": 0,
-                                            "target_num_cpus": 0})
-        actors = start_actors(measured, PolicyConfig(policy=cfg.policy),
-                              hosts=(_timed(TargetHost, "verify"), _timed(DraftHost, "propose")))
-        engine, tokenizer = _actor_engine(actors, measured), actors.target_info.tokenizer
-        timed = [actors.draft, actors.target]
-        first = _engine_run(engine, tokenizer, prompts, args)[0][1]  # warm-up
+        actors = TimedActors(ServiceConfig.from_args({**_service_args(args, len(prompts)), "draft_num_cpus": 0,
+                                                      "target_num_cpus": 0}))
+        first = actors.run(prompts, args)[0][1]  # warm-up
         for r in range(args.rounds):
             for name in args.companies:
                 with _company(name, cfg, args):
                     time.sleep(SETTLE_S)
-                    in_use = psutil.virtual_memory().used / 2**30
-                    before, cpu_before = ray.get([actor.seconds.remote() for actor in timed]), _cpu_seconds()
-                    run, where = _engine_run(engine, tokenizer, prompts, args)
-                    spent = [a - b for a, b in zip(ray.get([a.seconds.remote() for a in timed]), before, strict=True)]
+                    in_use, cpu_before = psutil.virtual_memory().used / 2**30, _cpu_seconds()
+                    run, where = actors.run(prompts, args)
                     others = _company_cpu(cpu_before)
                 runs[name].append(run[0])
                 print(f"round {r + 1}, beside {name} ({in_use:.1f} GiB of memory in use): {run[2]} tokens at "
-                      f"{run[0]:.2f} tok/s, {identical(first, run[1])}; {where}; inside the actors: propose "
-                      f"{spent[0]:.2f} s, verify {spent[1]:.2f} s; {others}", flush=True)
+                      f"{run[0]:.2f} tok/s, {identical(first, run[1])}; {where}; {others}", flush=True)
     print_medians(runs)
     reference = args.companies[0]
     for name in args.companies[1:]:
