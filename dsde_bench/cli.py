@@ -79,7 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("models")
     m.add_argument("--draft", default=None, help="draft model (embedded name, HF directory or .gguf)")
     m.add_argument("--target", default=None, help="target model")
-    m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    m.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                   help="the models' dtype (default bfloat16; --tiny: float32, the only one its pair runs)")
     m.add_argument("--max-sl", type=int, default=20, help="engine ceiling on the speculation length (default 20)")
     m.add_argument("--max-seq-len", type=int, default=2048)
     m.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -145,6 +146,9 @@ def run(args: argparse.Namespace) -> int:
         real = {"--draft": args.draft, "--target": args.target, "--threads": args.threads}  # what --tiny cannot honour
         for flag in [f for f, value in real.items() if value is not None and args.tiny]:
             raise ConfigError(f"{flag} sets up a real model; --tiny runs the tiny random pair without it")
+        if args.tiny and args.dtype not in (None, "float32"):
+            raise ConfigError(f"--dtype {args.dtype}: --tiny runs the tiny random pair in float32 only")
+        args.dtype = args.dtype or ("float32" if args.tiny else "bfloat16")
         if args.draft_window is not None:
             from dsde_core.config import EngineConfig
 

@@ -179,6 +179,9 @@ def test_real_model_flags_with_tiny_are_a_clear_error(tmp_path, capsys) -> None:
         rc = cli.main(["--tiny", *flag, "--results-dir", str(tmp_path), "--no-report"])
         err = capsys.readouterr().err
         assert rc == 2 and f"{flag[0]} sets up a real model; --tiny runs the tiny random pair" in err, err
+    rc = cli.main(["--tiny", "--dtype", "bfloat16", "--results-dir", str(tmp_path), "--no-report"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--dtype bfloat16: --tiny runs the tiny random pair in float32 only" in err, err
     assert not any(tmp_path.iterdir())
 
 
