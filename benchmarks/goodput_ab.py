@@ -9,9 +9,12 @@ dsde_core/policies/goodput.py, read with `git show` and loaded beside today's; e
 cell runs as `dsde bench` runs it (the embedded pair in-process, its prompts and seeds, --warm-requests 4 for a
 policy that learns across requests, round-robin rounds with new seeds at T > 0, the closed-loop driver that keeps
 --batch requests in flight). The table prints each policy's median wall time and its tokens/s against target-only
-decoding ("off"), with every round's wall time: compare the ratios, not the seconds (a shared machine). --out
-keeps, beside the walls, every run's steps as bench.json keeps them (dsde_bench.metrics.StepRow), to see where a
-change moved the time.
+decoding ("off"), with every round's wall time and its ratio to the first spec's run of the same round: compare the
+ratios, not the seconds (a shared machine). Then where each policy's time went, medians over its rounds (`phases`):
+steps that fed a prompt, decode steps at the full batch that drafted and that did not, and the batch's tail (decode
+steps at a smaller batch), each with its draft and target seconds, the tokens it emitted and ms a token. A run that
+drafted nothing ran the first spec's forwards when that is "off": its ratio is the machine's noise. --out keeps,
+beside the walls, every run's steps as bench.json keeps them (dsde_bench.metrics.StepRow).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsde_bench.backend import Backend, load_backend
+from dsde_bench.metrics import StepRow
 from dsde_bench.provenance import code_version, run_meta
 from dsde_bench.runner import WARM_SEED_OFFSET, Warmup, drive, other_prompts, round_seed, run_cell, sampling_params
 from dsde_bench.workloads import DEFAULT_MAX_CHARS, load_workload
@@ -107,6 +111,45 @@ def load_cell(args: argparse.Namespace) -> Cell:
     return Cell(backend, ids, pids, warm)
 
 
+PHASES = ("prefill", "full, drafting", "full, not drafting", "tail")
+
+
+@dataclass
+class Phase:
+    steps: int = 0
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    emitted: int = 0
+
+    def add(self, row: StepRow) -> None:
+        self.steps, self.emitted = self.steps + 1, self.emitted + row.emitted
+        self.draft_s, self.target_s = self.draft_s + row.draft_s, self.target_s + row.target_s
+
+    def __str__(self) -> str:
+        ms = f"{1000 * (self.draft_s + self.target_s) / self.emitted:6.1f}" if self.emitted else "     -"
+        return (f"{self.steps:4d} steps, draft {self.draft_s:6.2f} s + target {self.target_s:6.2f} s, "
+                f"{self.emitted:5d} tokens, {ms} ms a token")
+
+
+def phases(rows: list[StepRow], batch: int) -> dict[str, Phase]:
+    """One run's steps by phase: a prompt fed; a decode step at `batch` rows that drafted or not; a decode step at
+    fewer rows (the batch's tail, once nothing is left to admit, or a slot not yet refilled)."""
+    out = {name: Phase() for name in PHASES}
+    for r in rows:
+        name = ("prefill" if r.prefill else "tail" if r.batch < batch
+                else "full, drafting" if r.sum_k > 0 else "full, not drafting")
+        out[name].add(r)
+    return out
+
+
+def median_phases(runs: list[dict[str, Phase]]) -> dict[str, Phase]:
+    """Each phase's field by field median over runs."""
+    return {name: Phase(round(statistics.median(r[name].steps for r in runs)),
+                        statistics.median(r[name].draft_s for r in runs),
+                        statistics.median(r[name].target_s for r in runs),
+                        round(statistics.median(r[name].emitted for r in runs))) for name in PHASES}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--policies", default="off,static:1,dsde-goodput@HEAD,dsde-goodput")
@@ -132,13 +175,24 @@ def main() -> None:
             run = run_cell(backend.engine, build(s), ids, pids, params, args.batch, watch=0, warm=warm)
             walls[s].append(run.wall_s)
             steps[s].append([x.row() for x in run.steps])
-            print(f"round {rnd} {s:28} {run.wall_s:7.2f} s {tokens / run.wall_s:6.2f} tok/s", flush=True)
+            drafted = sum(x.draft_calls > 0 for x in run.steps)
+            print(f"round {rnd} {s:28} {run.wall_s:7.2f} s {tokens / run.wall_s:6.2f} tok/s  "
+                  f"{walls[specs[0]][rnd] / run.wall_s:5.3f}x  drafted in {drafted} of {len(run.steps)} steps",
+                  flush=True)
     base = statistics.median(walls[specs[0]])
     print(f"\n{args.workload} T={args.temperature:g} b{args.batch}, {args.num_prompts} prompts x {args.max_tokens} "
           f"tokens, {args.rounds} rounds; speedup = median wall of {specs[0]} / median wall")
     for s in specs:
         med = statistics.median(walls[s])
-        print(f"{s:28} median {med:7.2f} s  {base / med:5.3f}x  rounds {' '.join(f'{w:.1f}' for w in walls[s])}")
+        ratios = " ".join(f"{b / w:.3f}" for b, w in zip(walls[specs[0]], walls[s], strict=True))
+        print(f"{s:28} median {med:7.2f} s  {base / med:5.3f}x  rounds {' '.join(f'{w:.1f}' for w in walls[s])}  "
+              f"round by round {ratios}x")
+    print("\nwhere the time went (medians over the rounds, phase by phase)")
+    for s in specs:
+        split = median_phases([phases([StepRow(*r) for r in run], args.batch) for run in steps[s]])
+        print(s)
+        for name, phase in split.items():
+            print(f"  {name:20} {phase}")
     if args.out:
         doc = {"args": vars(args), "walls_s": walls, "steps": steps, "meta": run_meta(code)}
         Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")

@@ -33,6 +33,23 @@ def test_a_revisions_policy_is_loaded_beside_todays() -> None:
         ab.build("static:1@HEAD")
 
 
+def test_a_runs_steps_split_by_phase() -> None:
+    """Every step lands in one phase: a prompt fed (whatever the batch), else the full batch drafting or not, else the
+    tail; the medians are taken field by field over the runs."""
+    ab = script("goodput_ab")
+    rows = [StepRow(2, 0, 0, 0.0, 0.5, 1, emitted=2), StepRow(2, 3, 2, 0.1, 0.2, 0, emitted=5),
+            StepRow(2, 0, 0, 0.0, 0.1, 0, emitted=2), StepRow(2, 0, 0, 0.0, 0.1, 0, emitted=2),
+            StepRow(1, 2, 2, 0.05, 0.08, 0, emitted=2), StepRow(1, 0, 0, 0.0, 0.3, 1, emitted=1)]
+    split = ab.phases(rows, batch=2)
+    assert [(p.steps, p.emitted) for p in split.values()] == [(2, 3), (1, 5), (2, 4), (1, 2)]
+    assert split["full, drafting"].draft_s == 0.1 and split["prefill"].target_s == pytest.approx(0.8)
+    assert "2 steps" in str(split["prefill"]) and "266.7 ms a token" in str(split["prefill"])
+    other = ab.phases(rows[:2], batch=2)
+    med = ab.median_phases([split, other, other])
+    assert med["prefill"].steps == 1 and med["tail"].emitted == 0
+    assert str(med["tail"]).endswith("0 tokens,      - ms a token")
+
+
 @pytest.mark.real_models
 def test_out_keeps_every_runs_steps_as_bench_json_does(tmp_path: Path) -> None:
     """--out: per spec, per round, the run's steps as StepRow rows; over a run they emit every token asked for."""
@@ -51,3 +68,4 @@ def test_out_keeps_every_runs_steps_as_bench_json_does(tmp_path: Path) -> None:
             assert sum(s.emitted for s in steps) == 3 * 5  # --ignore-eos: every request runs max_tokens
             assert sum(s.prefill for s in steps) >= 2  # batch 2: the third prompt enters after the first two
             assert all(s.sum_k == 0 for s in steps) == (spec == "off")
+    assert "where the time went" in res.stdout and res.stdout.count("full, not drafting") == 2, res.stdout
