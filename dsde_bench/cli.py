@@ -25,7 +25,7 @@ from typing import Any
 
 from dsde_bench import provenance
 from dsde_bench.probe import PROBE_FORWARDS
-from dsde_bench.workloads import DEFAULT_MAX_CHARS, DataPackageMissing, load_workload, parse_workloads
+from dsde_bench.workloads import DEFAULT_MAX_CHARS, load_workload, parse_workloads
 from dsde_core.errors import ConfigError, DSDEError
 
 SMALL_WORKLOADS = "code,mixed"
@@ -158,12 +158,14 @@ def run(args: argparse.Namespace) -> int:
         if args.simulate:
             return _simulate(args)
         return _grid(args)
-    except DataPackageMissing as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except DSDEError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except DSDEError as e:  # a bad flag, config or results file; a workload's data package missing
+        return _error(e)
+
+
+def _error(e: DSDEError) -> int:
+    """A CLI error: its message on stderr, exit status 2 (as argparse's), no traceback."""
+    print(f"error: {e}", file=sys.stderr)
+    return 2
 
 
 # ---- shared --------------------------------------------------------------------------------------------------
@@ -428,8 +430,7 @@ def _report(argv: list[str]) -> int:
     try:
         print(f"wrote {write(a.results, a.out)}")
     except DSDEError as e:  # a results file it cannot read: named, and the page left as it was
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _error(e)
     return 0
 
 
