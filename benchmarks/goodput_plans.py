@@ -66,7 +66,7 @@ class PlanLog(RecordingPolicy):
         out = super().plan(seqs, costs, waiting)
         rows = [PlanRow(s.req_id, s.remaining, s.max_k, p.k, s.draft_lag, self.inner.stats(s.req_id))
                 for s, p in zip(seqs, out, strict=True)]
-        self.plans.append(PlanRecord(waiting, getattr(self.inner, "_open", None), rows))
+        self.plans.append(PlanRecord(waiting, getattr(self.inner, "batch_open", None), rows))
         return out
 
 

@@ -404,11 +404,14 @@ def test_a_batch_whose_freed_slots_are_refilled_weighs_every_token_the_same() ->
         return [p.worth for p in pol.plan([SeqInfo(r, 0.0, 8, remaining=n) for r, n in rows], cheap)]
 
     assert worth(("a", 60), ("b", 12), ("c", 36)) != [1.0] * 3  # a batch came to an idle engine: closed
+    assert pol.batch_open is False  # what the last plan read (benchmarks/goodput_plans.py prints it)
     pol.release("b")
     assert worth(("a", 59), ("c", 35), ("d", 48)) == [1.0] * 3  # d took b's slot
     assert worth(("a", 58), ("c", 34), ("d", 47)) == [1.0] * 3  # and it stays open
+    assert pol.batch_open is True
     pol.release("c")
     assert worth(("a", 57), ("d", 46)) == pytest.approx([2 * 57 / 103, 2 * 46 / 103])  # c's slot stayed empty
+    assert pol.batch_open is False
     assert worth(("a", 56), ("d", 45), ("e", 48)) == [1.0] * 3  # e joined running ones
     pol.release("a")
     pol.release("d")

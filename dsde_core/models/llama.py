@@ -226,11 +226,11 @@ class Attention(nn.Module):
     def _attend(self, q: Tensor, g: AttnGroup, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         """q [G, h, hd], the group's queries, after the cache holds their keys -> attention output [G, h * hd]."""
         h, hd, Qm = q.shape[1], q.shape[2], g.max_q
-        Bg = 1 if g.single is not None else g.slots.shape[0]
         if g.single is not None:
-            slot, end = g.single
+            (slot, end), Bg = g.single, 1
             keys, vals = k_cache[slot : slot + 1, :, :end], v_cache[slot : slot + 1, :, :end]  # [1, kvh, K, hd]
         else:
+            Bg = g.slots.shape[0]
             keys = k_cache[:, :, : g.max_k].index_select(0, g.slots)  # [Bg, kvh, Kmax, hd]
             vals = v_cache[:, :, : g.max_k].index_select(0, g.slots)
         if g.q_dest is not None:

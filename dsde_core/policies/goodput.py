@@ -390,6 +390,12 @@ class GoodputPolicy(SpeculationPolicy):
     def num_tracked(self) -> int:
         return len(self._states)
 
+    @property
+    def batch_open(self) -> bool:
+        """Whether the last plan read the batch as open, being refilled, so that every row's tokens were worth the
+        same (the module doc)."""
+        return self._open
+
     def stats(self, req_id: str) -> dict[str, float]:
         s = self._states.get(req_id)
         if s is None:
@@ -428,11 +434,8 @@ class GoodputPolicy(SpeculationPolicy):
     def _starts(costs: StepCosts, batch: int, reach: Sequence[float], pbar: Sequence[float], room: Sequence[int],
                 fixed: Sequence[Sequence[float]]) -> list[bool]:
         """Which rows would draft in a decode step of this batch, each with an empty draft cache paying its prefill's
-        share fixed_i(h), judged at the step's own goodput (from target-only's B / V(B) up: Dinkelbach). With a
-        share spread over the steps its remaining tokens take, that is the whole request's test: drafting from now
-        on, prefill included, beats not drafting. (Against the rate drafting reached before, rho_B B / V(B), the
-        share weighed (1 + e) times too much: a batch of new requests on code waited for rho_B to decay, two steps
-        that drafted nothing, where static:8 drafted from the prompt step.)"""
+        share fixed_i(h), judged at the step's own goodput from target-only's B / V(B) up (Dinkelbach): the whole
+        request's test, drafting from now on, prefill included, against not drafting (the module doc)."""
         decode = DraftStop(costs, batch, batch / costs.verify(batch))
         own = replace(decode, goodput=decode.step_goodput(reach, pbar, room, batch, fixed=fixed))
         return own.next_level(reach, pbar, room, 0, fixed=fixed)
