@@ -116,6 +116,8 @@ PHASES = ("prefill", "full, drafting", "full, not drafting", "tail")
 
 @dataclass
 class Phase:
+    """One phase of a run: its steps, their draft and target seconds and the tokens they emitted."""
+
     steps: int = 0
     draft_s: float = 0.0
     target_s: float = 0.0
