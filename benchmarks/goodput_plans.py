@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from goodput_ab import cell_arguments, check_cell, load_cell
 
 from dsde_bench.recording import RecordingPolicy
-from dsde_bench.runner import drive, run_cell
+from dsde_bench.runner import run_cell
 from dsde_core.cost import StepCosts
 from dsde_core.errors import ConfigError
 from dsde_core.policies import Plan, SeqInfo, SpeculationPolicy, make_policy
@@ -93,9 +93,7 @@ def main() -> int:
     engine = cell.backend.engine
     for rnd in range(args.rounds):
         inner = make_policy(args.policy)
-        if inner.pooled and cell.warm.prompts:  # as run_cell warms it, outside the log
-            engine.set_policy(inner)
-            drive(engine, cell.warm.prompts, cell.warm.prompt_ids, cell.warm.params, args.batch)
+        cell.warm.serve(engine, inner, args.batch)  # as run_cell warms it, outside the log
         log = PlanLog(inner)
         run = run_cell(engine, log, cell.ids, cell.pids, cell.params(args, rnd), args.batch, watch=0)
         shown = log.plans if args.all else tail(log.plans, args.batch)

@@ -214,6 +214,13 @@ class Warmup:
     prompt_ids: Sequence[str]
     params: Sequence[SamplingParams]
 
+    def serve(self, engine: Engine, policy: SpeculationPolicy, batch: int) -> None:
+        """Serve the prompts with `policy` where it learns across requests (steady state: what a server that has run a
+        while sees); a policy that does not learn across requests skips them."""
+        if policy.pooled and self.prompts:
+            engine.set_policy(policy)
+            drive(engine, self.prompts, self.prompt_ids, self.params, batch)
+
 
 def other_prompts(workload: str, n: int, seed: int, max_chars: int, cell: Sequence[Prompt]) -> list[Prompt]:
     """The n prompts a policy that learns across requests serves, untimed, before a cell of `cell`'s prompts: other
@@ -230,9 +237,8 @@ def run_cell(engine: Engine, policy: str | SpeculationPolicy, prompts: Sequence[
     serves `warm`'s prompts."""
     inner = make_policy(policy) if isinstance(policy, str) else policy
     adaptive = inner.name != "off" and not inner.name.startswith("static")
-    if warm is not None and inner.pooled and warm.prompts:  # steady state: what a server that has run a while sees
-        engine.set_policy(inner)
-        drive(engine, warm.prompts, warm.prompt_ids, warm.params, batch)
+    if warm is not None:
+        warm.serve(engine, inner, batch)
     rec = RecordingPolicy(inner, watch=watch if adaptive else 0)
     engine.set_policy(rec)
     run = drive(engine, prompts, prompt_ids, params, batch)
