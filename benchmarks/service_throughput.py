@@ -431,34 +431,22 @@ def _company(name: str, cfg: ServiceConfig, args: argparse.Namespace) -> Iterato
     from services.config import PolicyConfig
     from services.placement import start_actors
 
-    if name == "pair":
-        pair = start_actors(cfg, PolicyConfig(policy=cfg.policy))
-        try:
-            yield
-        finally:
-            pair.kill()
-        return
-    if name in ("memory", "ticker"):
-        idle = (ray.remote(_Ballast).options(num_cpus=0).remote(PAIR_GB) if name == "memory"
-                else ray.remote(_Ticker).options(num_cpus=0).remote())
-        ray.get(idle.ready.remote())
-        try:
-            yield
-        finally:
-            ray.kill(idle)
-        return
-    if name in ("serve", "app"):
-        opts = _cluster_options(args)
-        serve.start(http_options={"host": opts.host, "port": opts.port})
-        try:
+    with contextlib.ExitStack() as stop:  # each company stopped however its run ends
+        if name == "pair":
+            stop.callback(start_actors(cfg, PolicyConfig(policy=cfg.policy)).kill)
+        elif name in ("memory", "ticker"):
+            idle = (ray.remote(_Ballast).options(num_cpus=0).remote(PAIR_GB) if name == "memory"
+                    else ray.remote(_Ticker).options(num_cpus=0).remote())
+            stop.callback(ray.kill, idle)
+            ray.get(idle.ready.remote())
+        elif name in ("serve", "app"):
+            opts = _cluster_options(args)
+            serve.start(http_options={"host": opts.host, "port": opts.port})
+            stop.callback(serve.shutdown)
             if name == "app":
                 serve.run(build_app({"model_name": "dsde", **_service_args(args, cfg.max_batch_size)}), name="bench",
                           route_prefix="/")
-            yield
-        finally:
-            serve.shutdown()
-        return
-    yield
+        yield
 
 
 def _company_cpu(before: CpuTimes) -> str:
@@ -485,12 +473,12 @@ def with_company(args: argparse.Namespace) -> None:
     from services.launch import local_cluster
 
     prompts = PROMPTS[: args.batch]
-    cfg = ServiceConfig.from_args(_service_args(args, len(prompts)))
+    service_args = _service_args(args, len(prompts))
+    cfg = ServiceConfig.from_args(service_args)
     runs: dict[str, list[float]] = {name: [] for name in args.companies}
     with local_cluster(_cluster_options(args), with_serve=False):
         # no logical CPUs for the measured set: a company's actors (the app's, a second pair) hold the cluster's
-        actors = TimedActors(ServiceConfig.from_args({**_service_args(args, len(prompts)), "draft_num_cpus": 0,
-                                                      "target_num_cpus": 0}))
+        actors = TimedActors(ServiceConfig.from_args({**service_args, "draft_num_cpus": 0, "target_num_cpus": 0}))
         first = actors.run(prompts, args)[0][1]  # warm-up
         for r in range(args.rounds):
             for name in args.companies:
