@@ -119,19 +119,20 @@ class CostModel:
 
 class ProfileCosts:
     """Stands in for the engine's OnlineCostModel: the profile's own tables, whatever the engine measures, so that an
-    engine running a cost-aware policy plans exactly what the simulator replays (validation)."""
+    engine running a cost-aware policy plans exactly what the simulator replays (validation). A profile has no context
+    term: the batch's context is ignored."""
 
     def __init__(self, cost: CostModel) -> None:
         self.cost = cost
         self.observed = 0
 
-    def estimate(self, batch: int, max_tokens: int | None = None) -> StepCosts:
+    def estimate(self, batch: int, max_tokens: int | None = None, context: int = 0) -> StepCosts:
         b = max(batch, 1)
         verify, draft = self.cost.tables(b, max(max_tokens or b * 21, b + 1))
         return StepCosts(b, verify, draft, self.cost.padded, self.cost.draft_context_per_token(b))
 
     def observe(self, verify_tokens: int, verify_s: float, draft_forwards: int, draft_rows: int,
-                draft_s: float, draft_context: int = 0) -> None:
+                draft_s: float, draft_context: int = 0, context: int = 0) -> None:
         self.observed += 1
 
 

@@ -12,6 +12,16 @@ are made non-decreasing by a weighted isotonic fit (pool adjacent violators, eac
 one slow forward at an n seen once is averaged with the well-known n above it instead of raising every n above it,
 as a running maximum would. An n it has not seen is priced linearly between the n seen around it (optimistic just
 past a jump, so that n gets tried once and learnt), and past them as a linear prior scaled to the nearest n seen.
+A forward also costs more the longer the rows' contexts (attention over caches padded to the longest row): on chat at
+batch 4 (bf16 here) a forward with a ~940-token prompt in the batch took ~25% longer than at ~100 tokens, at every n.
+So the table is kept at context 0: with c the longest row's context,
+    V(n, c) = V(n) exp(gamma c)
+each time is divided by exp(gamma c) before the medians are taken and an estimate is scaled to the batch's c, with
+gamma the slope of log seconds on c among forwards over the same n (ContextSlope; 0 until the contexts vary, as in the
+simulator, which gives none). A table by n alone mixed contexts: target-only steps (n = B) came with the long prompt in
+the batch (what turns the batch off), drafting steps at short contexts, so drafting looked cheaper than it was (replayed
+chat T = 1 batch 4 steps: forwards that verified drafts at contexts of 400+ took 11% longer than priced, 2% with
+gamma). The draft's calls are scaled by the same factor (measured: +39% a level at 1000 tokens, the target +32%).
 The draft's forward is only timed per call (several levels), so D(m) = D0 + D1 m over m rows is fitted by recursive
 least squares to (forwards, rows summed over them) -> seconds, on the calls that only drafted. A call that also took
 in context tokens (a sequence's first draft step prefills the draft with its whole context; a lagging cache catches
@@ -25,7 +35,8 @@ dsde-goodput's pool probe times it again where nothing else drafts).
 
 from __future__ import annotations
 
-from collections import deque
+import math
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -130,6 +141,8 @@ class CostPrior:
     forgetting: float = 0.98  # per observation: the draft fit's memory is ~1 / (1 - forgetting) = 50 steps
     memory: int = 20  # a verify table entry is the median of its last memory observations; C a running mean of ~as many
     context_min: int = 16  # a draft call with this many context tokens prices C, not D
+    context_window: int = 256  # forwards the context slope is fitted over
+    context_spread: float = 256.0  # tokens: the slope's prior (0) counts as `weight` forwards this far apart in context
 
     def verify(self, n: int) -> float:
         return self.verify_base_s + self.verify_per_token_s * max(n - 1, 0)
@@ -175,6 +188,35 @@ class _RLS:
         self.theta, self.p = theta, p
 
 
+class ContextSlope:
+    """gamma, the log seconds a forward adds per token of its longest row's context, V(n, c) = V(n, 0) exp(gamma c):
+    the slope of log seconds on context among forwards over the same n query tokens (a within-n regression over the
+    last `window` forwards, so that neither the n nor the machine's drift between them enters it), shrunk towards 0 by
+    `prior` (in tokens^2: the prior counts as that spread of context behind a slope of 0), and never below 0.
+        gamma = max(0, Sxy / (Sxx + prior)),  Sxy = sum_n sum_i (c_i - cbar_n)(y_i - ybar_n),  Sxx alike with c
+    The sums are kept per n and moved as forwards enter and leave the window (no pass over it per step)."""
+
+    def __init__(self, window: int, prior: float) -> None:
+        self.window, self.prior = window, prior
+        self._recent: deque[tuple[int, int, float]] = deque()  # (n, context, log seconds)
+        self._sums: defaultdict[int, np.ndarray] = defaultdict(lambda: np.zeros(5))  # n -> [count, c, y, c^2, c y]
+        self.value = 0.0
+
+    def observe(self, n: int, context: int, log_s: float) -> None:
+        self._recent.append((n, context, log_s))
+        self._sums[n] += (1.0, context, log_s, context * context, context * log_s)
+        if len(self._recent) > self.window:
+            m, c, y = self._recent.popleft()
+            self._sums[m] -= (1.0, c, y, c * c, c * y)
+            if self._sums[m][0] < 0.5:
+                del self._sums[m]
+        sxx = sxy = 0.0
+        for k, sc, sy, scc, scy in self._sums.values():
+            sxx += scc - sc * sc / k
+            sxy += scy - sc * sy / k
+        self.value = max(0.0, sxy / (sxx + self.prior))
+
+
 @dataclass
 class OnlineCostModel:
     """Fits the step-cost model above to the steps the engine times."""
@@ -184,25 +226,34 @@ class OnlineCostModel:
     draft_idle: int = 0  # steps since D was last fitted
 
     def __post_init__(self) -> None:
-        self._seen: dict[int, deque[float]] = {}  # n -> the last `memory` seconds of a target forward over n tokens
-        self._median: dict[int, float] = {}  # n -> their median
+        # n -> the last `memory` (seconds, context) of a target forward over n query tokens
+        self._seen: dict[int, deque[tuple[float, int]]] = {}
+        self._median: dict[int, float] = {}  # n -> the median of their seconds at context 0 (over the slope's factor)
+        self._slope = ContextSlope(self.prior.context_window, self.prior.weight * self.prior.context_spread ** 2)
+        self._median_slope = 0.0  # the slope the medians were taken at
         self._fit: tuple[np.ndarray, np.ndarray] | None = None  # ([K] the n seen, [K] isotonic fit to their medians)
         self._draft: _RLS | None = None  # made at the first draft step, from a prior scaled to the target's speed
         self._context: tuple[float, int] | None = None  # (C, calls it has seen)
 
     def observe(self, verify_tokens: int, verify_s: float, draft_forwards: int, draft_rows: int,
-                draft_s: float, draft_context: int = 0) -> None:
+                draft_s: float, draft_context: int = 0, context: int = 0) -> None:
         """One decode step: the target forward over verify_tokens query tokens took verify_s; the draft call ran
         draft_forwards batched forwards over draft_rows rows in all, and took in draft_context context tokens besides,
-        in draft_s."""
+        in draft_s; the batch's longest row held `context` tokens."""
         if verify_tokens < 1 or not verify_s > 0:
             return
         seen = self._seen.setdefault(verify_tokens, deque(maxlen=self.prior.memory))
-        seen.append(verify_s)
-        self._median[verify_tokens] = float(np.median(seen))
+        seen.append((verify_s, context))
+        self._slope.observe(verify_tokens, context, math.log(verify_s))
+        if abs(self._slope.value - self._median_slope) > 0.01 * self._slope.value:  # the slope moved: every median
+            self._median_slope = self._slope.value
+            for n in self._seen:
+                self._median[n] = self._normal_median(n)
+        self._median[verify_tokens] = self._normal_median(verify_tokens)
         keys = sorted(self._median)  # refit here, once per step, not in every estimate (which reads V three times)
         self._fit = np.array(keys), isotonic([self._median[k] for k in keys], [len(self._seen[k]) for k in keys])
         p = self.prior
+        draft_s /= self.context_factor(context)  # the draft's fits are at context 0 too
         if draft_forwards > 0 and draft_context >= p.context_min:
             # C = (the call's time beyond D) / context tokens: a plain mean where the prior counts as `weight` calls
             d0, d1 = self._draft_fit()
@@ -218,6 +269,14 @@ class OnlineCostModel:
         timed = draft_forwards > 0 and draft_context < p.context_min  # D was fitted to this step
         self.draft_idle = 0 if timed else self.draft_idle + 1
         self.observed += 1
+
+    def _normal_median(self, n: int) -> float:
+        """The median of the forwards over n query tokens, each divided by its context's factor."""
+        return float(np.median([s / self.context_factor(c) for s, c in self._seen[n]]))
+
+    def context_factor(self, context: int) -> float:
+        """exp(gamma * context): what a forward costs with its longest row holding `context` tokens against none."""
+        return math.exp(self._slope.value * context)
 
     def _draft_fit(self) -> tuple[float, float]:
         """(D0, D1): the fit, or the scaled prior before the first draft step; never negative."""
@@ -256,11 +315,13 @@ class OnlineCostModel:
     def verify(self, n: int) -> float:
         return float(self.verify_table(n)[-1])
 
-    def estimate(self, batch: int, max_tokens: int | None = None) -> StepCosts:
-        """The model at batch size `batch`, tabled up to max_tokens query tokens (default batch x 21)."""
+    def estimate(self, batch: int, max_tokens: int | None = None, context: int = 0) -> StepCosts:
+        """The model at batch size `batch`, tabled up to max_tokens query tokens (default batch x 21), the longest row
+        holding `context` tokens."""
         b = max(batch, 1)
         n = max(max_tokens or b * 21, b + 1)
-        table = np.maximum.accumulate(self.verify_table(n))
+        scale = self.context_factor(context)
+        table = np.maximum.accumulate(self.verify_table(n)) * scale
         d0, d1 = self._draft_fit()
-        drafts = tuple(d0 + d1 * i for i in range(1, n + 1))
-        return StepCosts(b, tuple(table.tolist()), drafts, context_per_token_s=self.context_per_token())
+        drafts = tuple(scale * (d0 + d1 * i) for i in range(1, n + 1))
+        return StepCosts(b, tuple(table.tolist()), drafts, context_per_token_s=scale * self.context_per_token())

@@ -201,7 +201,7 @@ class Engine:
                 self._failed("policy", e)
         ks = [len(v.kld) for v in verdicts]  # tokens proposed per sequence, 0 included
         emitted, failed = self._commit_all(rows, verdicts)
-        self._observe_costs(pending, proposals, t2 - t1, t3 - t2)
+        self._observe_costs(pending, proposals, t2 - t1, t3 - t2, max(contexts, default=0))
         self.step_log.append(StepRecord(
             batch=len(verdicts), ks=ks, emitted=sum(len(o.token_ids) for o in emitted), draft_s=t2 - t1,
             target_s=t3 - t2, total_s=time.perf_counter() - t0, prefill=prefill, contexts=contexts))
@@ -214,7 +214,8 @@ class Engine:
         # a sequence whose draft cache is empty (it never drafted, or the draft restarted) prefills it when it drafts
         infos = [SeqInfo(r.req_id, r.params.temperature, self._max_k(r), self._pending(r), r.remaining(),
                          r.draft_context(drafting=True, window=self.config.draft_window)) for r in rows]
-        costs = self.costs.estimate(len(infos), sum(i.pending + i.max_k for i in infos))
+        costs = self.costs.estimate(len(infos), sum(i.pending + i.max_k for i in infos),
+                                    max(r.num_tokens for r in rows))
         plans = self.policy.plan(infos, costs, len(self.waiting))
         return {i.req_id: replace(p, k=min(p.k, i.max_k)) for i, p in zip(infos, plans, strict=True)}
 
@@ -247,15 +248,16 @@ class Engine:
         return whole, chunks
 
     def _observe_costs(self, pending: list[int], proposals: dict[str, Proposal], draft_s: float,
-                       verify_s: float) -> None:
+                       verify_s: float, context: int) -> None:
         """Feed one step to the cost model: the target's query tokens (a prompt's too: the table is by tokens); the
         draft's forwards (its levels) and rows over them (one per drafted token; a call that only caught caches up is
         one forward of its rows) and the context tokens it took in besides (a prefill's, which the model prices
-        apart)."""
+        apart); the longest row's context."""
         proposed = [len(p.tokens) for p in proposals.values()]
         forwards, rows = (max(proposed), sum(proposed)) if proposed else (int(self._draft_rows > 0),
                                                                            self._draft_rows)
-        self.costs.observe(sum(pending) + sum(proposed), verify_s, forwards, rows, draft_s, self._draft_context)
+        self.costs.observe(sum(pending) + sum(proposed), verify_s, forwards, rows, draft_s, self._draft_context,
+                           context)
 
     def _max_k(self, r: Request) -> int:
         """Ceiling on k: no draft, speculation off, global and per-request max SL, tokens left to generate."""

@@ -579,6 +579,66 @@ def test_online_cost_model_shrugs_off_a_burst_and_a_lone_slow_step() -> None:
     assert all(b >= a for a, b in itertools.pairwise(est.verify_table))
 
 
+def _context_steps(model: OnlineCostModel, gamma: float, draft: bool = True) -> None:
+    """What chat at batch 4 shows (measured, bf16): a forward over n query tokens costs V(n) exp(gamma c) with c the
+    longest row's context, the draft's calls alike. Steps that draft (n = 8, 12) come at short contexts, target-only
+    steps (n = 4) at long ones: a long prompt in the batch is what turns the batch off."""
+    v = {4: 0.078, 8: 0.098, 12: 0.107}
+    rng = np.random.default_rng(5)
+    for _ in range(240):
+        n = int(rng.choice([4, 8, 12]))
+        c = int(rng.integers(600, 1000) if n == 4 else rng.integers(50, 400))
+        f = math.exp(gamma * c) * rng.uniform(0.99, 1.01)
+        levels = (n - 4) // 4 if draft else 0
+        model.observe(n, v[n] * f, levels, 4 * levels, levels * 0.03 * f, 0, c)
+
+
+def test_online_cost_model_prices_the_context() -> None:
+    """The table is at context 0 and an estimate is scaled to the batch's longest row: V(8) / V(4) at one context is
+    the true 1.26, where a table by n alone set V(4), learnt at long contexts, against V(8) at short ones (1.06:
+    drafting a token a row looked a fifth as dear as it is). The draft is priced at the same context."""
+    gamma = 0.3e-3
+    model = OnlineCostModel()
+    _context_steps(model, gamma)
+    assert model.context_factor(1000) == pytest.approx(math.exp(gamma * 1000), rel=0.03)
+    for c in (100, 800):
+        est = model.estimate(4, 20, c)
+        assert est.verify(4) == pytest.approx(0.078 * math.exp(gamma * c), rel=0.03)
+        assert est.verify(8) / est.verify(4) == pytest.approx(0.098 / 0.078, rel=0.03)
+        assert est.draft(4) == pytest.approx(0.03 * math.exp(gamma * c), rel=0.05)
+    blind = OnlineCostModel()  # the same forwards, no context given: today's table by n
+    for i in range(240):
+        n = [4, 8, 12][i % 3]
+        blind.observe(n, {4: 0.078 * math.exp(gamma * 800), 8: 0.098 * math.exp(gamma * 225),
+                          12: 0.107 * math.exp(gamma * 225)}[n], 0, 0, 0.0)
+    assert blind.estimate(4, 20).verify(8) / blind.estimate(4, 20).verify(4) < 1.07
+    assert blind.context_factor(1000) == 1.0
+
+
+def test_context_slope_is_within_n_never_negative_and_forgets() -> None:
+    from dsde_core.cost import ContextSlope
+
+    slope = ContextSlope(window=100, prior=0.0)
+    for i in range(100):  # n = 4 slow at long contexts, n = 16 fast at short ones: no slope within either n
+        slope.observe(4, 900 + i % 2, math.log(0.1))
+        slope.observe(16, 100 + i % 2, math.log(0.05))
+    assert slope.value == pytest.approx(0.0, abs=1e-9)  # (a regression across n would read one from their gap)
+    for i in range(100):  # longer contexts faster: never below 0
+        slope.observe(4, 100 + 8 * i, math.log(0.1) - 1e-4 * 8 * i)
+    assert slope.value == 0.0
+    for i in range(100):
+        slope.observe(4, 100 + 8 * i, math.log(0.1) + 2e-4 * 8 * i)
+    assert slope.value == pytest.approx(2e-4)
+    for i in range(100):  # the window has moved past them: flat again
+        slope.observe(4, 100 + 8 * i, math.log(0.1))
+    assert slope.value == pytest.approx(0.0, abs=1e-12)
+    shrunk = ContextSlope(window=100, prior=100 * 256.0**2)  # a prior worth as much as the data's spread halves it
+    for i in range(100):
+        c = 512 * (i % 2)  # 256 +- 256
+        shrunk.observe(4, c, math.log(0.1) + 2e-4 * c)
+    assert shrunk.value == pytest.approx(1e-4)
+
+
 def test_isotonic_fit_pools_what_decreases_by_weight() -> None:
     from dsde_core.cost import isotonic
 
@@ -649,7 +709,7 @@ def test_online_cost_model_leaves_its_prior_within_tens_of_steps() -> None:
 
 def test_engine_feeds_its_cost_model_every_step() -> None:
     """Every step's target forward (a prompt's too: the table is by query tokens) and draft call, with the context
-    tokens the draft took in: a first draft step's prefill prices C, not D."""
+    tokens the draft took in (a first draft step's prefill prices C, not D) and the longest row's context."""
     engine = tiny_engine("static:3", batch=2)
     calls = []
     observe = engine.costs.observe
@@ -665,6 +725,8 @@ def test_engine_feeds_its_cost_model_every_step() -> None:
     assert engine.costs._context is not None and engine.costs._context[1] == 1
     assert max(engine.costs._median) >= 20  # a prompt's forward is in the table
     assert engine.costs.estimate(2).verify(2) > 0
+    assert [c[6] for c in calls] == [max(s.contexts) for s in log]  # the longest row's committed tokens, every step
+    assert calls[-1][6] > calls[0][6] >= 20
 
 
 def test_online_cost_model_prices_context_tokens_apart_from_decode_rows() -> None:
