@@ -300,8 +300,8 @@ class OnlineCostModel:
         return self.verify(1) / self.prior.verify_base_s
 
     def verify_table(self, n: int) -> np.ndarray:
-        """[n]: V(1..n): the isotonic fit to the medians seen, linear between the n seen, and outside them the prior
-        scaled by the nearest n seen; past the last n seen not yet made non-decreasing."""
+        """[n]: V(1..n) at context 0: the isotonic fit to the medians seen, linear between the n seen, and outside them
+        the prior scaled by the nearest n seen; past the last n seen not yet made non-decreasing."""
         ns = np.arange(1, n + 1)
         p = self.prior
         prior = p.verify_base_s + p.verify_per_token_s * (ns - 1)

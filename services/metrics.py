@@ -161,7 +161,8 @@ class ServiceMetrics:
                 counted[role] = n
 
     def on_costs(self, costs: StepCosts) -> None:
-        """The engine's online step-cost model at the current batch size (what cost-aware policies plan with)."""
+        """The engine's online step-cost model at the current batch size and its longest row's context (what cost-aware
+        policies plan with)."""
         self._set("dsde_cost_verify_seconds", costs.verify_s)
         self._set("dsde_cost_verify_per_token_seconds", costs.verify_per_token_s)
         self._set("dsde_cost_draft_forward_seconds", costs.draft_fwd_s)

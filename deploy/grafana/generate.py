@@ -160,10 +160,10 @@ SPECULATIVE_DECODING: list[dict[str, Any]] = [
                "(target-only decoding: 1x); the draft's cost is not counted.", "suffix:x",
                [target(_ratio("ray_dsde_generation_tokens_total", "ray_dsde_sl_chosen_count", "model"),
                        "{{model}}")], w=12, min=1),
-    timeseries("Step-cost model", "The engine's online fit of a step's cost at the current batch size, what "
-               "dsde-goodput plans with: verify = target forward with no draft tokens (+ per draft token), "
-               "draft = one batched draft forward (+ per draft token; + per context token of a first draft step's "
-               "prefill).", "s",
+    timeseries("Step-cost model", "The engine's online fit of a step's cost at the current batch size and longest "
+               "context, what dsde-goodput plans with: verify = target forward with no draft tokens (+ per draft "
+               "token), draft = one batched draft forward (+ per draft token; + per context token of a first draft "
+               "step's prefill).", "s",
                [target(f"max by (model) (ray_dsde_cost_verify_seconds{{{M}}})", "verify {{model}}"),
                 target(f"max by (model) (ray_dsde_cost_draft_forward_seconds{{{M}}})", "draft forward {{model}}"),
                 target(f"max by (model) (ray_dsde_cost_verify_per_token_seconds{{{M}}})",
