@@ -579,7 +579,7 @@ def test_online_cost_model_shrugs_off_a_burst_and_a_lone_slow_step() -> None:
     assert all(b >= a for a, b in itertools.pairwise(est.verify_table))
 
 
-def _context_steps(model: OnlineCostModel, gamma: float, draft: bool = True) -> None:
+def _context_steps(model: OnlineCostModel, gamma: float) -> None:
     """What chat at batch 4 shows (measured, bf16): a forward over n query tokens costs V(n) exp(gamma c) with c the
     longest row's context, the draft's calls alike. Steps that draft (n = 8, 12) come at short contexts, target-only
     steps (n = 4) at long ones: a long prompt in the batch is what turns the batch off."""
@@ -589,7 +589,7 @@ def _context_steps(model: OnlineCostModel, gamma: float, draft: bool = True) -> 
         n = int(rng.choice([4, 8, 12]))
         c = int(rng.integers(600, 1000) if n == 4 else rng.integers(50, 400))
         f = math.exp(gamma * c) * rng.uniform(0.99, 1.01)
-        levels = (n - 4) // 4 if draft else 0
+        levels = (n - 4) // 4
         model.observe(n, v[n] * f, levels, 4 * levels, levels * 0.03 * f, 0, c)
 
 
