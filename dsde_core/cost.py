@@ -249,7 +249,8 @@ class OnlineCostModel:
             self._median_slope = self._slope.value
             for n in self._seen:
                 self._median[n] = self._normal_median(n)
-        self._median[verify_tokens] = self._normal_median(verify_tokens)
+        else:
+            self._median[verify_tokens] = self._normal_median(verify_tokens)
         keys = sorted(self._median)  # refit here, once per step, not in every estimate (which reads V three times)
         self._fit = np.array(keys), isotonic([self._median[k] for k in keys], [len(self._seen[k]) for k in keys])
         p = self.prior
