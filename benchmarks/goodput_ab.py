@@ -107,7 +107,8 @@ def load_cell(args: argparse.Namespace) -> Cell:
     warm_p = other_prompts(args.workload, args.warm_requests, args.seed, max_chars, prompts)
     warm = Warmup([backend.encode(p.text) for p in warm_p], [f"warm-{i}" for i in range(len(warm_p))],
                   sampling_params(len(warm_p), args.max_tokens, args.temperature, args.seed + WARM_SEED_OFFSET, True))
-    drive(backend.engine, ids[:2], pids[:2], sampling_params(2, 4, args.temperature, args.seed, True), 2)  # warm-up
+    w = min(2, args.batch)  # warm-up: a short run of w prompts at once
+    drive(backend.engine, ids[:w], pids[:w], sampling_params(w, 4, args.temperature, args.seed, True), w)
     return Cell(backend, ids, pids, warm)
 
 
