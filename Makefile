@@ -67,8 +67,8 @@ SIM_ARGS := --workloads code,chat,mixed --max-tokens 64 --validate-batch-sizes 1
 bench-sim: models
 	$(VENV)/bin/dsde bench --simulate --validate --warm-requests 4 $(SIM_ARGS) $(ARGS)
 
-# The simulator's validation once more in float32 (traces and engine runs): no bf16 near-tie flips a token between a
-# batched trace and a batch-1 run, so what is left is the replay's own error (results/simulate_fp32.json).
+# The simulator's validation once more in float32 (traces and engine runs): no bf16 rounding parts the trace from the
+# engine's run (a flipped near-tie, a signal), so what is left is the replay's own error (results/simulate_fp32.json).
 bench-sim-fp32: models
 	$(VENV)/bin/dsde bench --simulate --dtype float32 --workloads code,chat,mixed --max-tokens 64 --warm-requests 4 \
 	  --validate --validate-batch-sizes 1 --validate-policies off,static:2,static:4,dsde,dsde-goodput --profiles gpu \

@@ -147,6 +147,18 @@ def test_fp32_validation_is_judged_against_the_tolerance() -> None:
     assert report.fp32_validation_text(None) == "" and report.fp32_validation_text({"cells": []}) == ""
 
 
+def test_simulator_validation_names_how_its_traces_were_recorded_and_the_worst_error_but_goodputs() -> None:
+    rows = [{"workload": "chat", "policy": pol, "batch": 1, "measured": 0.5, "predicted": 0.5 * (1 + e), "rel_error": e}
+            for pol, e in (("dsde", 0.016), ("dsde-goodput", 0.082), ("static:2", 0.0))]
+    val = {"rows": rows, "max_rel_error": 0.082, "tolerance": 0.05}
+    text = report.simulate_section({"cells": [], "validation": val, "trace_batch": 1})
+    assert ("worst relative error 8.20% (target: within 5%). Worst error of the policies but dsde-goodput: 1.60%."
+            in text)
+    assert "the traces are recorded 1 prompt at a time, as the validation runs the engine" in text
+    batched = report.simulate_section({"cells": [], "validation": {**val, "rows": rows[:1]}})
+    assert "the traces are recorded batched" in batched and "but dsde-goodput" not in batched
+
+
 def test_page_names_every_run_that_predates_the_engines_last_change(tmp_path) -> None:
     """Not only the issue-7 runs: any results file the engine's speed sets (the grid, the bound runs, perf.py, the
     service script) is listed when it was measured before the last change to dsde_core/ or records no commit, with

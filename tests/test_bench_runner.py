@@ -250,7 +250,7 @@ def test_cli_records_the_code_a_run_started_with(tmp_path, monkeypatch) -> None:
 
 
 @needs_data
-def test_cli_simulate_tiny(tmp_path, monkeypatch) -> None:
+def test_cli_simulate_tiny(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     res = tmp_path / "results"
     rc = cli.main(["--tiny", "--simulate", "--workloads", "code", "--num-prompts", "2", "--max-tokens", "12",
@@ -259,22 +259,28 @@ def test_cli_simulate_tiny(tmp_path, monkeypatch) -> None:
     assert rc == 0
     doc = json.loads((res / "simulate.json").read_text())
     assert doc["validation"]["ok"] and {c["profile"] for c in doc["cells"]} == {"cpu", "gpu"}
-    assert list((tmp_path / "cache" / "dsde" / "traces").glob("code-n2-seed1-t12-h6-tiny.json"))
+    # the validation runs the engine at batch 1, so its trace is recorded one prompt at a time
+    traces = tmp_path / "cache" / "dsde" / "traces"
+    assert json.loads((traces / "code-n2-seed1-t12-h6-b1-tiny.json").read_text())["meta"]["batch"] == 1
     assert "Every cell starts from a fresh policy" in (tmp_path / "B.md").read_text()
-    # the second run reuses the trace, and records one of other prompts for dsde-goodput's warm-up
+    # a run without the validation records its trace batched over all the slots, and one of other prompts for
+    # dsde-goodput's warm-up
     assert cli.main(["--tiny", "--simulate", "--workloads", "code", "--num-prompts", "2", "--max-tokens", "12",
                      "--max-sl", "6", "--profiles", "gpu", "--sim-batch-sizes", "1", "--results-dir", str(res),
                      "--warm-requests", "1", "--benchmarks-md", str(tmp_path / "B.md"), "--no-plots"]) == 0
-    assert list((tmp_path / "cache" / "dsde" / "traces").glob("code-n1-seed1001-t12-h6-tiny.json"))
+    assert json.loads((traces / "code-n2-seed1-t12-h6-tiny.json").read_text())["meta"]["batch"] is None
+    assert list(traces.glob("code-n1-seed1001-t12-h6-tiny.json"))
     doc = json.loads((res / "simulate.json").read_text())
     assert doc["warm_traces"] == [{"workload": "code", "prompts": 1, "max_tokens": 12}]
     text = (tmp_path / "B.md").read_text()
     assert "Trace-driven simulator" in text and "a warm-up trace of other prompts of the workload (1)" in text
-    # no policy of the sweep keeps state across requests: no warm-up trace is recorded
+    # no policy of the sweep keeps state across requests: no warm-up trace is recorded; the trace is reused
+    capsys.readouterr()
     assert cli.main(["--tiny", "--simulate", "--workloads", "code", "--num-prompts", "2", "--max-tokens", "12",
                      "--max-sl", "6", "--profiles", "gpu", "--sim-batch-sizes", "1", "--results-dir", str(res),
                      "--sim-policies", "off,static:2", "--warm-requests", "2", "--no-report", "--no-plots"]) == 0
-    assert not list((tmp_path / "cache" / "dsde" / "traces").glob("code-n2-seed1001-*"))
+    assert not list(traces.glob("code-n2-seed1001-*"))
+    assert "(cached)" in capsys.readouterr().err
     assert json.loads((res / "simulate.json").read_text())["warm_traces"] == []
 
 
