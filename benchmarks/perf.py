@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from batch_prompts import BATCH_PROMPTS  # benchmarks/batch_prompts.py: the service script sends the same
 from transformers import AutoModelForCausalLM
 
 from dsde_bench.probe import PROBE_FORWARDS, machine_probe
@@ -40,16 +41,6 @@ PROMPTS = {
     "prose": "Write a short story about a lighthouse keeper who finds a message in a bottle. "
              "Describe the sea, the weather and what the keeper feels.",
 }
-BATCH_PROMPTS = [
-    "Write a Python function that checks whether a string is a palindrome.",
-    "Explain what a hash map is and when to use one.",
-    "Write a Python class for a stack with push, pop and peek.",
-    "Describe the water cycle in a few paragraphs.",
-    "Write a function that returns the n-th prime number in Python.",
-    "What are the advantages of unit tests? Answer in prose.",
-    "Write a SQL query that finds the top 5 customers by total order value.",
-    "Write a bash script that counts lines in every .py file of a folder.",
-]
 
 
 def _round_robin(systems: dict[str, Callable[[], list[int]]], runs: int, probe: Callable[[], float | None]

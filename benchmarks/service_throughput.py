@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
+from batch_prompts import BATCH_PROMPTS as PROMPTS  # benchmarks/batch_prompts.py: perf.py's batch runs send the same
 
 from dsde_bench.ports import free_port
 from dsde_bench.provenance import code_version, run_meta
@@ -66,17 +67,6 @@ if TYPE_CHECKING:  # the service side is imported where it is used: a bad flag f
     from services.config import ServiceConfig
     from services.launch import LocalServe
     from services.placement import Actors
-
-PROMPTS = [
-    "Write a Python function that checks whether a string is a palindrome.",
-    "Explain what a hash map is and when to use one.",
-    "Write a Python class for a stack with push, pop and peek.",
-    "Describe the water cycle in a few paragraphs.",
-    "Write a function that returns the n-th prime number in Python.",
-    "What are the advantages of unit tests? Answer in prose.",
-    "Write a SQL query that finds the top 5 customers by total order value.",
-    "Write a bash script that counts lines in every .py file of a folder.",
-]
 
 
 Run = tuple[float, list[str], int]  # tok/s, texts, tokens
