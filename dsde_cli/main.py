@@ -11,7 +11,6 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from dsde_core import cli as core_cli
-from dsde_core.errors import DSDEError
 from dsde_core.models.loader import DEFAULT_DRAFT, DEFAULT_TARGET
 from dsde_core.policies import POLICY_NAMES
 
@@ -113,13 +112,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    try:
-        return args._handlers[args.command](args)
-    except DSDEError as e:
-        print(f"dsde: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return core_cli.run_command(args._handlers[args.command], args)
 
 
 if __name__ == "__main__":

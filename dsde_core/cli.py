@@ -117,15 +117,21 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def run_command(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run a command's handler: a DSDEError (bad input, a missing model) is one line on stderr and exit status 2,
+    Ctrl-C is 130, never a traceback."""
     try:
-        return {"generate": _generate, "prepare": _prepare}[args.command](args)
+        return handler(args)
     except DSDEError as e:
         print(f"dsde: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    return run_command({"generate": _generate, "prepare": _prepare}[args.command], args)
 
 
 if __name__ == "__main__":

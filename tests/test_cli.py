@@ -86,3 +86,26 @@ def test_every_generate_flag_reaches_the_sampling_the_engine_or_the_output(monke
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.25, 0.5, 1.1)
     report = json.loads(capsys.readouterr().out)  # --json
     assert report["policy"] == "static:3" and report["identical"] is True and report["target_only"]["text"] == "out"
+
+
+def test_a_command_ends_in_a_status_never_a_traceback(capsys) -> None:
+    """Both CLIs (dsde_core.cli and the `dsde` command) run their handlers through run_command: a DSDEError is one
+    line on stderr and status 2, Ctrl-C (KeyboardInterrupt) status 130, otherwise the handler's own status."""
+    from dsde_cli import main as dsde_main
+    from dsde_core import cli
+    from dsde_core.errors import ConfigError
+
+    def fails(args) -> int:
+        raise ConfigError("max_tokens must be >= 1")
+
+    def interrupted(args) -> int:
+        raise KeyboardInterrupt
+
+    assert cli.run_command(fails, None) == 2
+    assert capsys.readouterr().err == "dsde: error: max_tokens must be >= 1\n"
+    assert cli.run_command(interrupted, None) == 130
+    assert cli.run_command(lambda args: 7, None) == 7
+    # the `dsde` command's handlers go through it
+    assert dsde_main.main(["generate", "hi", "--max-tokens", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dsde: error:") and "max_tokens" in err and "Traceback" not in err
