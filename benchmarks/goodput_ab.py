@@ -1,20 +1,21 @@
 """dsde-goodput against itself at another git revision, in one run: does a policy change pay on this machine?
 
     python benchmarks/goodput_ab.py [--policies off,static:1,dsde-goodput@REV,dsde-goodput] [--workload chat]
-                                    [--temperature 1] [--batch 4] [--num-prompts 16] [--max-tokens 48]
-                                    [--rounds 5] [--out FILE.json]
+                                    [--temperature 1] [--batch 4] [--max-batch N] [--num-prompts 16]
+                                    [--max-tokens 48] [--rounds 5] [--out FILE.json]
 
 A policy spec `dsde-goodput@REV` is the policy as it was at git revision REV (its module,
 dsde_core/policies/goodput.py, read with `git show` and loaded beside today's; everything else is today's). Each
 cell runs as `dsde bench` runs it (the embedded pair in-process, its prompts and seeds, --warm-requests 4 for a
 policy that learns across requests, round-robin rounds with new seeds at T > 0, the closed-loop driver that keeps
---batch requests in flight). The table prints each policy's median wall time and its tokens/s against target-only
-decoding ("off"), with every round's wall time and its ratio to the first spec's run of the same round: compare the
-ratios, not the seconds (a shared machine). Then where each policy's time went, medians over its rounds (`phases`):
-steps that fed a prompt, decode steps at the full batch that drafted and that did not, and the batch's tail (decode
-steps at a smaller batch), each with its draft and target seconds, the tokens it emitted and ms a token. A run that
-drafted nothing ran the first spec's forwards when that is "off": its ratio is the machine's noise. --out keeps,
-beside the walls, every run's steps as bench.json keeps them (dsde_bench.metrics.StepRow).
+--batch requests in flight; the engine has --batch KV slots unless --max-batch gives more, as `dsde bench` loads
+one engine for its largest batch size). The table prints each policy's median wall time and its tokens/s against
+target-only decoding ("off"), with every round's wall time and its ratio to the first spec's run of the same round:
+compare the ratios, not the seconds (a shared machine). Then where each policy's time went, medians over its rounds
+(`phases`): steps that fed a prompt, decode steps at the full batch that drafted and that did not, and the batch's
+tail (decode steps at a smaller batch), each with its draft and target seconds, the tokens it emitted and ms a
+token. A run that drafted nothing ran the first spec's forwards when that is "off": its ratio is the machine's
+noise. --out keeps, beside the walls, every run's steps as bench.json keeps them (dsde_bench.metrics.StepRow).
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ def cell_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--workload", default="chat")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--max-batch", type=int, default=None,
+                    help="the engine's KV slots (default: --batch; `dsde bench` loads its largest batch size)")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--warm-requests", type=int, default=4)
@@ -81,6 +84,9 @@ def cell_arguments(ap: argparse.ArgumentParser) -> None:
 def check_cell(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if min(args.rounds, args.num_prompts, args.max_tokens, args.batch) < 1:
         ap.error("--rounds, --num-prompts, --max-tokens and --batch must be >= 1")
+    if args.max_batch is not None and args.max_batch < args.batch:
+        ap.error(f"--max-batch {args.max_batch} is below --batch {args.batch}: the engine needs a slot for each "
+                 f"request in flight")
 
 
 @dataclass
@@ -99,7 +105,7 @@ class Cell:
 def load_cell(args: argparse.Namespace) -> Cell:
     """The embedded pair, the cell's prompts and its warm-up prompts, as `dsde bench` runs the cell; one short
     warm-up run done."""
-    backend = load_backend(max_batch=args.batch)
+    backend = load_backend(max_batch=args.max_batch or args.batch)
     max_chars = DEFAULT_MAX_CHARS
     prompts = load_workload(args.workload, args.num_prompts, args.seed, max_chars)
     ids = [backend.encode(p.text) for p in prompts]
@@ -183,7 +189,8 @@ def main() -> None:
                   f"{walls[specs[0]][rnd] / run.wall_s:5.3f}x  drafted in {drafted} of {len(run.steps)} steps",
                   flush=True)
     base = statistics.median(walls[specs[0]])
-    print(f"\n{args.workload} T={args.temperature:g} b{args.batch}, {args.num_prompts} prompts x {args.max_tokens} "
+    print(f"\n{args.workload} T={args.temperature:g} b{args.batch} on an engine of "
+          f"{backend.engine.config.max_batch_size} slots, {args.num_prompts} prompts x {args.max_tokens} "
           f"tokens, {args.rounds} rounds; speedup = median wall of {specs[0]} / median wall")
     for s in specs:
         med = statistics.median(walls[s])

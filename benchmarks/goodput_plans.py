@@ -2,7 +2,7 @@
 does not, and what it knew then. Not a test.
 
     python benchmarks/goodput_plans.py [--policy dsde-goodput] [--workload chat] [--temperature 1] [--batch 4]
-                                       [--num-prompts 16] [--max-tokens 48] [--rounds 1] [--all]
+                                       [--max-batch N] [--num-prompts 16] [--max-tokens 48] [--rounds 1] [--all]
 
 Per round: the wall time, then the plans at a batch below --batch (the cell's tail, once no request is left to
 admit; --all: every plan) and the three before them. A plan prints its batch, whether the policy read the batch as

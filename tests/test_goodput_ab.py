@@ -50,16 +50,26 @@ def test_a_runs_steps_split_by_phase() -> None:
     assert str(med["tail"]).endswith("0 tokens,      - ms a token")
 
 
+def test_fewer_slots_than_requests_in_flight_is_a_cli_error() -> None:
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "goodput_ab.py"), "--batch", "4", "--max-batch",
+                          "2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "--max-batch 2 is below --batch 4" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+
+
 @pytest.mark.real_models
-@pytest.mark.parametrize("batch", [1, 2])
-def test_out_keeps_every_runs_steps_as_bench_json_does(tmp_path: Path, batch: int) -> None:
-    """--out: per spec, per round, the run's steps as StepRow rows; over a run they emit every token asked for."""
+@pytest.mark.parametrize(("batch", "max_batch"), [(1, None), (2, None), (1, 2)])
+def test_out_keeps_every_runs_steps_as_bench_json_does(tmp_path: Path, batch: int, max_batch: int | None) -> None:
+    """--out: per spec, per round, the run's steps as StepRow rows; over a run they emit every token asked for. The
+    engine has --batch slots, or --max-batch's."""
     out = tmp_path / "ab.json"
+    slots = [] if max_batch is None else ["--max-batch", str(max_batch)]
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "goodput_ab.py"), "--policies", "off,static:2",
-                          "--workload", "chat", "--temperature", "0", "--batch", str(batch), "--num-prompts", "3",
-                          "--max-tokens", "5", "--warm-requests", "1", "--rounds", "2", "--out", str(out)],
+                          "--workload", "chat", "--temperature", "0", "--batch", str(batch), *slots, "--num-prompts",
+                          "3", "--max-tokens", "5", "--warm-requests", "1", "--rounds", "2", "--out", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
+    assert f"b{batch} on an engine of {max_batch or batch} slots" in res.stdout, res.stdout
     doc = json.loads(out.read_text())
     assert set(doc["walls_s"]) == set(doc["steps"]) == {"off", "static:2"}
     for spec, rounds in doc["steps"].items():
