@@ -15,8 +15,7 @@ from tests.bench_scripts import BENCHMARKS, script
 
 
 @pytest.fixture
-def plans(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports goodput_ab, its sibling, as run from there
+def plans():  # script() makes its siblings importable while it loads
     return script("goodput_plans")
 
 

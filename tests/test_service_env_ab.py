@@ -13,8 +13,7 @@ from tests.bench_scripts import BENCHMARKS, script
 
 
 @pytest.fixture
-def env_ab(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports service_throughput, its sibling, as run from there
+def env_ab():  # script() makes its siblings importable while it loads
     return script("service_env_ab")
 
 
