@@ -58,6 +58,7 @@ from services.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    describe_invalid,
     error_body,
 )
 from services.proxies import ControllerProxy, DraftProxy, TargetProxy
@@ -89,14 +90,9 @@ async def _api_error(_: Request, e: APIError) -> JSONResponse:
 
 
 @app.exception_handler(RequestValidationError)
-async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-    parts, param = [], None
-    for err in e.errors():
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-        param = param or loc or None
-        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    return _error_response(400, "; ".join(parts) or "invalid request body", param)
+async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+    message, param = describe_invalid(list(e.errors()), request.headers.get("content-type", ""))
+    return _error_response(400, message, param)
 
 
 @app.exception_handler(StarletteHTTPException)

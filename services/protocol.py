@@ -15,9 +15,19 @@ none). `logit_bias` (OpenAI's: token id -> bias in [-100, 100], at most 1024 ids
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from dsde_core.config import (
     MAX_LOGPROBS,
@@ -37,6 +47,19 @@ MAX_PROMPTS = 64  # prompts per completions request (the engine's queue bounds p
 MAX_STOP_CHARS = 256  # per stop string
 GREEDY_BELOW = 1e-5  # a temperature under this is greedy (as in vLLM): 1 / T would overflow the logits
 log = logging.getLogger("ray.serve")
+JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "true or false"}
+
+
+def one_of(expected: str) -> WrapValidator:
+    """A union field's one error, naming what it takes, in place of pydantic's one error per member type."""
+
+    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("union_type", "expected {expected}", {"expected": expected}) from None
+
+    return WrapValidator(check)
 
 
 class ErrorInfo(BaseModel):
@@ -53,6 +76,31 @@ class ErrorBody(BaseModel):
 def error_body(message: str, status: int, type_: str | None = None, param: str | None = None) -> dict[str, Any]:
     kind = type_ or ("invalid_request_error" if status < 500 else "server_error")
     return ErrorBody(error=ErrorInfo(message=message, type=kind, code=status, param=param)).model_dump()
+
+
+def describe_invalid(errors: list[dict[str, Any]], content_type: str = "application/json") -> tuple[str, str | None]:
+    """A request's validation errors (FastAPI's) as one message and the first field they name (OpenAI's `param`).
+    A body that is no JSON object at all gets one sentence saying what is wrong with it, not pydantic's words."""
+    for err in errors:
+        loc = tuple(err.get("loc", ()))
+        if err.get("type") == "json_invalid":
+            at = f" at character {loc[1]}" if len(loc) > 1 else ""
+            return f"the request body is not valid JSON ({err.get('ctx', {}).get('error', 'decode error')}{at})", None
+        if loc == ("body",):  # no body, or one that is not a JSON object
+            media = content_type.split(";")[0].strip().lower()
+            if media and media != "application/json" and not media.endswith("+json"):
+                return f"the request body must be JSON: send it with Content-Type: application/json, not {media}", None
+            if err.get("type") == "missing":
+                return "the request body is empty: send a JSON object", None
+            got = JSON_KINDS.get(type(err.get("input")), "something else")
+            return f"the request body must be a JSON object, got {got}", None
+    parts, param = [], None
+    for err in errors:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        param = param or loc or None
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts) or "invalid request body", param
 
 
 class SpeculationOptions(BaseModel):
@@ -81,7 +129,7 @@ class _Common(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1, le=1 << 20)  # -1 or 0: no top-k (vLLM's convention)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, one_of("a string or a list of strings")] = None
     n: int = Field(default=1, ge=1, le=MAX_N)  # choices: n engine requests (choice i samples with seed + i)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -155,7 +203,8 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]],
+                      one_of("a string, a list of strings, a list of token ids or a list of token-id lists")]
     max_tokens: int | None = Field(default=16, ge=1, le=1 << 20)  # OpenAI's default for completions
     echo: bool = False  # the text starts with the prompt (and the log-probabilities with the prompt's)
     suffix: str | None = None  # refused unless empty (_unsupported)
@@ -197,7 +246,16 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart] | None = None
+    content: Annotated[str | list[ContentPart] | None, one_of("a string or a list of text parts")] = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, v: Any) -> Any:
+        for part in v if isinstance(v, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind is not None and kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported: this model takes text only")
+        return v
 
     def text(self) -> str:
         if isinstance(self.content, list):

@@ -213,6 +213,65 @@ def test_request_models_bound_their_fields() -> None:
         ChatCompletionRequest(model="m", messages=[{"role": "wizard", "content": "x"}])
 
 
+BAD_BODIES = [  # (raw body, Content-Type, what the message must say, param)
+    (b"{", "application/json", "not valid JSON (Expecting property name enclosed in double quotes at character 1)",
+     None),
+    (b'{"model": "m", "messages": [],}', "application/json", "at character 30", None),
+    (b"", "application/json", "the request body is empty", None),
+    (b"", "", "the request body is empty", None),
+    (b"[]", "application/json", "must be a JSON object, got an array", None),
+    (b'"x"', "application/json; charset=utf-8", "must be a JSON object, got a string", None),
+    (b"{}", "application/x-www-form-urlencoded",  # curl -d without -H: the body is never read as JSON
+     "send it with Content-Type: application/json, not application/x-www-form-urlencoded", None),
+    (b'{"model": "m", "messages": [{"role": "user", "content": 5}]}', "application/json",
+     "messages.0.content: expected a string or a list of text parts", "messages.0.content"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}',
+     "application/json", "content parts of type \'image_url\' are not supported: this model takes text only",
+     "messages.0.content"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": 5}', "application/json",
+     "stop: expected a string or a list of strings", "stop"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "temperature": 9}', "application/json",
+     "model: Field required; temperature: Input should be less than or equal to 2", "model"),
+]
+
+
+@pytest.mark.parametrize(("raw", "content_type", "says", "param"), BAD_BODIES)
+def test_a_bad_body_gets_one_message_saying_what_is_wrong(raw: bytes, content_type: str, says: str,
+                                                          param: str | None) -> None:
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.testclient import TestClient
+
+    from services import ingress
+
+    app = FastAPI()  # the ingress's handler in front of a route that takes the chat body
+    app.add_exception_handler(RequestValidationError, ingress._validation_error)
+
+    @app.post("/chat")
+    async def chat(body: ChatCompletionRequest) -> dict[str, str]:
+        return {"model": body.model}
+
+    r = TestClient(app).post("/chat", content=raw, headers={"content-type": content_type} if content_type else {})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["type"] == "invalid_request_error", error
+    assert says in error["message"] and error["param"] == param, error
+    assert "Input should be a valid dictionary" not in error["message"]
+    ok = TestClient(app).post("/chat", json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    assert ok.status_code == 200 and ok.json() == {"model": "m"}
+
+
+def test_a_union_field_names_what_it_takes_in_one_error() -> None:
+    for bad, says in [(dict(prompt=5), "a string, a list of strings, a list of token ids or a list of token-id lists"),
+                      (dict(prompt=[1.5]), "a list of token ids"), (dict(prompt="x", stop=[1]), "a list of strings")]:
+        with pytest.raises(ValidationError) as e:
+            CompletionRequest(model="m", **bad)
+        assert e.value.error_count() == 1 and says in str(e.value)
+    with pytest.raises(ValidationError, match="stop must be at most"):  # a member's own check still speaks
+        CompletionRequest(model="m", prompt="x", stop=["a", ""])
+    text = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert ChatCompletionRequest(model="m", messages=[{"role": "user", "content": text}]).chat()[0]["content"] == "ab"
+
+
 def test_unknown_fields_are_ignored_and_named_in_the_log(caplog: pytest.LogCaptureFixture) -> None:
     user = [{"role": "user", "content": "hi"}]
     with caplog.at_level(logging.WARNING, logger="ray.serve"):
