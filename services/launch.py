@@ -9,6 +9,7 @@ it stops."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -53,9 +54,20 @@ class LocalServe:
             folder = Path(self.prometheus_sd).expanduser().parent
             if not folder.is_dir() or not os.access(folder, os.W_OK):
                 raise ConfigError(f"--prometheus-sd {self.prometheus_sd!r}: {folder} is not a writable directory")
-        for name, port in (("--port", self.port), ("--metrics-port", self.metrics_port)):
-            if port is not None and not _port_free(self.host if name == "--port" else "127.0.0.1", port):
-                raise ConfigError(f"{name} {port} is already in use; pick another one")
+        needs = cfg.draft_num_cpus * (cfg.draft is not None) + cfg.target_num_cpus + cfg.controller_num_cpus
+        if self.num_cpus is not None and self.num_cpus < needs:  # the actors would wait for CPUs forever
+            raise ConfigError(f"--num-cpus {self.num_cpus}: the model actors need {needs:g} of the cluster's "
+                              f"logical CPUs")
+        if self.worker_niceness is not None and not -20 <= self.worker_niceness <= 19:
+            raise ConfigError(f"--worker-niceness must be a nice level in [-20, 19], got {self.worker_niceness}")
+        ports = [(name, port) for name, port in (("--port", self.port), ("--metrics-port", self.metrics_port))
+                 if port is not None]
+        for name, port in ports:
+            if not 0 < port < 65536:
+                raise ConfigError(f"{name} must be a port in [1, 65535], got {port}")
+        for name, port in ports:
+            if problem := _cannot_listen(name, self.host if name == "--port" else "127.0.0.1", port):
+                raise ConfigError(problem)
 
     @property
     def url(self) -> str:
@@ -67,14 +79,20 @@ def _model_source_exists(source: str) -> bool:
     return source in EMBEDDED or path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf")
 
 
-def _port_free(host: str, port: int) -> bool:
+def _cannot_listen(flag: str, host: str, port: int) -> str | None:
+    """Why a server could not listen on host:port (the port taken, the host no address of this machine), as an
+    error naming the flag to change; None: it could."""
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-        except OSError:
-            return False
-    return True
+        except socket.gaierror as e:
+            return f"--host {host!r} is not a host name or address ({e.strerror})"
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return f"{flag} {port} is already in use; pick another one"
+            return f"--host {host}: cannot listen on {host}:{port} ({e.strerror or e})"
+    return None
 
 
 SERVE_CONTROL_LOOP_ENV = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"

@@ -452,6 +452,16 @@ def test_dsde_serve_rejects_bad_arguments_before_starting_ray(capsys: pytest.Cap
         s.listen()
         assert main(["serve", "--port", str(s.getsockname()[1])]) == 2
     assert "already in use" in capsys.readouterr().err
+    # 198.51.100.1 (TEST-NET-2, documentation only) is no address of this machine
+    for flags, says in [(["--port", "99999"], "--port must be a port in [1, 65535], got 99999"),
+                        (["--metrics-port", "-3"], "--metrics-port must be a port in [1, 65535], got -3"),
+                        (["--host", "no-such-host.invalid"], "--host 'no-such-host.invalid' is not a host name"),
+                        (["--host", "198.51.100.1"], "--host 198.51.100.1: cannot listen on 198.51.100.1:8000"),
+                        (["--num-cpus", "1"], "--num-cpus 1: the model actors need 2 of the cluster's logical CPUs"),
+                        (["--worker-niceness", "20"], "--worker-niceness must be a nice level in [-20, 19], got 20")]:
+        assert main(["serve", *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err, err
 
 
 def test_every_dsde_serve_flag_reaches_the_service_or_its_cluster() -> None:
