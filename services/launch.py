@@ -125,9 +125,30 @@ def local_cluster(opts: LocalServe, with_serve: bool = True) -> Iterator[None]:
             serve.start(http_options={"host": opts.host, "port": opts.port})
         yield
     finally:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
+        if not cluster_gone():
+            with contextlib.suppress(Exception):
+                serve.shutdown()
         ray.shutdown()
+
+
+def cluster_gone(wait_s: float = 0.0) -> bool:
+    """Whether this process's Ray cluster has died under it (its GCS no longer takes connections), waiting up to
+    `wait_s` for it to go. So it goes when a stop signal reaches the whole process group, of which Ray's GCS and
+    raylet are members (`kill -- -PGID`, systemd's default KillMode, `timeout`): a SIGTERM takes the GCS ~0.1 s
+    after it reached this process, and every Ray call would then wait a minute for the GCS to come back."""
+    import ray
+
+    host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1):
+                pass
+        except OSError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
 
 
 def serve_forever(opts: LocalServe, stop: threading.Event | None = None, log: Any = print) -> int:
@@ -179,6 +200,10 @@ def _serve_until_stopped(opts: LocalServe, stop: threading.Event, ready: threadi
         ready.set()
         while not stop.wait(0.5):
             pass
+        if cluster_gone(wait_s=1.0):
+            log("dsde serve: stopping: the Ray cluster's own processes got the signal too and are gone, the "
+                "service with them; nothing to drain (send SIGINT or SIGTERM to this process alone to drain)")
+            return 0
         grace = ServiceConfig.from_args(_no_user(opts.args)).graceful_shutdown_timeout_s
         log(f"dsde serve: stopping: new requests get 503; running ones get up to {grace:g}s to finish")
         left = drain(grace)

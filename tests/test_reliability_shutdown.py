@@ -1,10 +1,12 @@
 """Graceful shutdown of `dsde serve` (a Ray cluster of its own, in a session of its own, stopped by stopping exactly
 the processes this test started): on SIGTERM the running streams finish, a request sent meanwhile is refused with
-503 and Retry-After, the process exits 0 and leaves no Ray process; an API key given with --api-key is enforced."""
+503 and Retry-After, the process exits 0 and leaves no Ray process; an API key given with --api-key is enforced.
+A SIGTERM to its whole process group (Ray's GCS included) stops it within seconds."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -23,25 +25,34 @@ BIN = Path(sys.executable).parent
 KEY = "sigterm-key"
 
 
-def test_sigterm_drains_running_streams_refuses_new_requests_and_exits_cleanly(tmp_path: Path) -> None:
+def _start(tmp_path: Path) -> tuple[subprocess.Popen, list[str], threading.Thread, str]:
+    """`dsde serve` on the tiny pair in a session of its own, ready: its process, its output lines so far (a
+    thread goes on reading them), that thread and the base URL."""
     target, draft = make_tiny_pair(tmp_path / "models")
     port, metrics_port = free_port(), free_port()
-    base = f"http://127.0.0.1:{port}"
     cmd = [str(BIN / "dsde"), "serve", "--draft", str(draft), "--target", str(target), "--model-name", "tiny",
            "--dtype", "float32", "--max-batch-size", "4", "--max-seq-len", "1024", "--threads", "1",
            "--port", str(port), "--metrics-port", str(metrics_port), "--num-cpus", "2", "--api-key", KEY,
            "--prometheus-sd", "none"]  # leave the machine's /tmp/ray alone
-    env = ray_env()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ray_env(),
                             start_new_session=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
     reader.start()
-    auth = {"Authorization": f"Bearer {KEY}"}
     try:
         wait_for(lambda: any("ready" in line for line in lines) or proc.poll() is not None, 300, interval=1,
                  what="dsde serve to be ready")
-        assert proc.poll() is None, "".join(lines)
+    except BaseException:
+        stop_session(proc, grace=10)
+        raise
+    assert proc.poll() is None, "".join(lines)
+    return proc, lines, reader, f"http://127.0.0.1:{port}"
+
+
+def test_sigterm_drains_running_streams_refuses_new_requests_and_exits_cleanly(tmp_path: Path) -> None:
+    proc, lines, reader, base = _start(tmp_path)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    try:
         assert httpx.get(f"{base}/v1/models", timeout=30).status_code == 401  # --api-key is enforced
         assert httpx.get(f"{base}/health", timeout=30).status_code == 200
 
@@ -84,6 +95,23 @@ def test_sigterm_drains_running_streams_refuses_new_requests_and_exits_cleanly(t
         print(f"SIGTERM -> exit in {time.monotonic() - t0:.1f}s; " + " | ".join(
             line.strip() for line in lines if "drain" in line or "stopping" in line))
         assert any("drained" in line for line in lines), "".join(lines)
+        wait_for(lambda: not session_pids(proc.pid), 30, what="every Ray process of `dsde serve` to exit")
+    finally:
+        stop_session(proc, grace=10)
+        reader.join(5)
+
+
+def test_a_sigterm_to_the_whole_process_group_stops_it_within_seconds(tmp_path: Path) -> None:
+    """`kill -- -PGID`, systemd's default KillMode and `timeout` signal Ray's GCS and raylet too (they share the
+    process group of `dsde serve`): the cluster is gone before anything could drain, and `dsde serve` says so and
+    exits 0 instead of waiting a minute for the GCS to come back."""
+    proc, lines, reader, base = _start(tmp_path)
+    try:
+        assert httpx.get(f"{base}/health", timeout=30).status_code == 200
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(45) == 0, "".join(lines)  # a bound against the minute's wait, not a speed figure
+        reader.join(5)
+        assert any("got the signal too" in line for line in lines), "".join(lines)
         wait_for(lambda: not session_pids(proc.pid), 30, what="every Ray process of `dsde serve` to exit")
     finally:
         stop_session(proc, grace=10)
