@@ -40,6 +40,17 @@ def _ints(s: str) -> tuple[int, ...]:
     return tuple(int(x) for x in s.split(",") if x.strip())
 
 
+def _positive(s: str) -> int:
+    """A count flag's value (0 would otherwise fall back to the flag's default)."""
+    try:
+        n = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {s!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {n}")
+    return n
+
+
 def _strs(s: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in s.split(",") if x.strip())
 
@@ -52,8 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                       "dsde-nocap, dsde, dsde-paper), or 'all'")
     g.add_argument("--batch-sizes", type=_ints, help="comma list (small: 1,4; full: 1,4,16)")
     g.add_argument("--temperatures", type=_floats, help="comma list (small: 0; full: 0,1)")
-    g.add_argument("--num-prompts", type=int, help="prompts per workload (small: 4; full: 16)")
-    g.add_argument("--max-tokens", type=int, help="new tokens per request (small: 32; full: 128; simulate: 96)")
+    g.add_argument("--num-prompts", type=_positive, help="prompts per workload (small: 4; full: 16)")
+    g.add_argument("--max-tokens", type=_positive, help="new tokens per request (small: 32; full: 128; simulate: 96)")
     g.add_argument("--seed", type=int, default=1, help="prompt sampling and request seeds (default 1)")
     g.add_argument("--max-chars", type=int, default=DEFAULT_MAX_CHARS, help="longest prompt sampled, in characters")
     g.add_argument("--full", action="store_true", help="the whole grid of issue 4 (hours on a CPU)")
@@ -104,13 +115,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "e.g. results/gpu/costs_h100.json from benchmarks/gpu_costs.py on a GPU)")
     s.add_argument("--sim-policies", type=_strs, help="policies to replay (default: all, dsde-paper and oracle)")
     s.add_argument("--sim-batch-sizes", type=_ints, default=(1, 4, 16), help="default 1,4,16")
-    s.add_argument("--sim-requests", type=int, default=None,
+    s.add_argument("--sim-requests", type=_positive, default=None,
                    help="requests per replay (default max(prompts, 2 x batch))")
     s.add_argument("--sim-closed", action="store_true",
                    help="replay each group of BATCH prompts as its own closed batch with a fresh policy, as a "
                         "`dsde bench` cell of BATCH prompts runs them (a cell of more prompts refills each freed "
                         "slot instead; each prompt once; not with --sim-requests)")
-    s.add_argument("--horizon", type=int, default=None, help="draft rollout recorded per position (default --max-sl)")
+    s.add_argument("--horizon", type=_positive, default=None,
+                   help="draft rollout recorded per position (default --max-sl)")
     s.add_argument("--traces-dir", default=None,
                    help="where traces are kept (default $XDG_CACHE_HOME/dsde/traces: they hold the prompts' token "
                         "ids, i.e. the data sets' records, which must not be committed)")

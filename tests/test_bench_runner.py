@@ -173,6 +173,18 @@ def test_grid_only_flags_outside_the_grid_are_a_clear_error(tmp_path, capsys) ->
     assert not any(tmp_path.iterdir())
 
 
+def test_a_zero_count_is_a_clear_error_not_the_default(tmp_path, capsys) -> None:
+    """0 prompts, tokens, replayed requests or horizon once fell back to the flag's default and ran (and wrote)
+    a whole grid; it is an argparse error now, before anything runs."""
+    for flag in ("--num-prompts", "--max-tokens", "--sim-requests", "--horizon"):
+        for value in ("0", "-2", "x"):
+            with pytest.raises(SystemExit) as e:
+                cli.main(["--tiny", "--simulate", flag, value, "--results-dir", str(tmp_path), "--no-report"])
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and f"argument {flag}: expected an integer >= 1, got" in err, err
+    assert not any(tmp_path.iterdir())
+
+
 def test_real_model_flags_with_tiny_are_a_clear_error(tmp_path, capsys) -> None:
     """--tiny builds its own random pair: a model or thread count given beside it would be silently ignored."""
     for flag in (["--draft", "qwen2.5-0.5b-instruct"], ["--target", "/models/x"], ["--threads", "1"]):
