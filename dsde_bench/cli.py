@@ -138,6 +138,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     v.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
     v.add_argument("--concurrency", type=int, default=1, help="requests in flight at most (default 1; 0: unbounded)")
     v.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default inf)")
+    v.add_argument("--api-key", default=None,
+                   help="sent as 'Authorization: Bearer KEY' (a server started with --api-key; default $DSDE_API_KEY)")
 
     o = p.add_argument_group("output")
     o.add_argument("--results-dir", default="results")
@@ -155,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
                  "--probe-forwards": args.probe_forwards is not None}
         for flag in [f for f, on in given.items() if on and (args.url or args.simulate)]:
             raise ConfigError(f"{flag} runs the in-process grid only (not --url or --simulate)")
+        if args.api_key is not None and not args.url:
+            raise ConfigError("--api-key is a server's key: it goes with --url")
         real = {"--draft": args.draft, "--target": args.target, "--threads": args.threads}  # what --tiny cannot honour
         for flag in [f for f, value in real.items() if value is not None and args.tiny]:
             raise ConfigError(f"{flag} sets up a real model; --tiny runs the tiny random pair without it")
@@ -414,7 +418,8 @@ def _serve(args: argparse.Namespace) -> int:
     n = args.num_prompts or 16
     cfg = ServeConfig(url=args.url, api=args.api, model=args.model, max_tokens=args.max_tokens or 64,
                       temperature=(args.temperatures or (0.0,))[0], concurrency=args.concurrency or None,
-                      request_rate=args.request_rate, seed=args.seed)
+                      request_rate=args.request_rate, seed=args.seed,
+                      api_key=args.api_key or os.environ.get("DSDE_API_KEY"))
     runs = []
     for w in workloads:
         prompts = load_workload(w, n, args.seed, args.max_chars)

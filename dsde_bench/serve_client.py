@@ -19,7 +19,7 @@ import math
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dsde_bench.metrics import DEFAULT_PERCENTILES, StreamRecord, serve_metrics
@@ -39,6 +39,7 @@ class ServeConfig:
     seed: int = 0
     timeout_s: float = 600.0
     percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
+    api_key: str | None = field(default=None, repr=False)  # sent as a bearer token; never written to the results
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -129,11 +130,22 @@ async def stream_one(client: Any, cfg: ServeConfig, model: str, text: str, seed:
 
 
 async def discover_model(client: Any, url: str) -> str:
-    resp = await client.get(url.rstrip("/") + "/v1/models", timeout=30.0)
-    resp.raise_for_status()
+    """The server's first model: also the run's first contact, so a server that is not there, or that wants a key,
+    is a clear error before any request is timed."""
+    import httpx
+
+    where = url.rstrip("/") + "/v1/models"
+    try:
+        resp = await client.get(where, timeout=30.0)
+    except httpx.HTTPError as e:
+        raise ConfigError(f"cannot reach {url} ({type(e).__name__}: {e}); is the server running?") from None
+    if resp.status_code == 401:
+        raise ConfigError(f"{where} answered 401: the server wants an API key; pass --api-key or set DSDE_API_KEY")
+    if resp.status_code != 200:
+        raise ConfigError(f"{where} answered {resp.status_code}: {resp.text[:200]}")
     data = resp.json().get("data") or []
     if not data:
-        raise ConfigError(f"{url}/v1/models lists no model; pass --model")
+        raise ConfigError(f"{where} lists no model; pass --model")
     return data[0]["id"]
 
 
@@ -142,7 +154,8 @@ async def run_serve(prompts: Sequence[Prompt], cfg: ServeConfig, transport: Any 
     (metrics + per-request records). `transport`: an httpx transport (tests)."""
     import httpx
 
-    async with httpx.AsyncClient(transport=transport, timeout=cfg.timeout_s) as client:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    async with httpx.AsyncClient(transport=transport, timeout=cfg.timeout_s, headers=headers) as client:
         model = cfg.model or await discover_model(client, cfg.url)
         sem = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else None
         offsets = arrival_times(len(prompts), cfg.request_rate, cfg.seed)
@@ -168,7 +181,8 @@ async def run_serve(prompts: Sequence[Prompt], cfg: ServeConfig, transport: Any 
         metrics["mean_sl"] = sum(s.get("mean_sl", 0.0) for s in spec) / len(spec)
     return {
         "model": model,
-        "config": {**asdict(cfg), "request_rate": None if math.isinf(cfg.request_rate) else cfg.request_rate},
+        "config": {**{k: v for k, v in asdict(cfg).items() if k != "api_key"},
+                   "request_rate": None if math.isinf(cfg.request_rate) else cfg.request_rate},
         "metrics": metrics,
         "token_counts": "server usage" if usage_ok else "content chunks (the server sent no usage)",
         "errors": [r.error for r in records if not r.ok][:10],

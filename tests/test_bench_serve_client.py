@@ -19,8 +19,10 @@ def _sse(objs: list[dict]) -> bytes:
     return "".join(f"data: {json.dumps(o)}\n\n" for o in objs).encode() + b"data: [DONE]\n\n"
 
 
-def fake_server(seen: list[dict], fail_on: str | None = None, usage: bool = True):
+def fake_server(seen: list[dict], fail_on: str | None = None, usage: bool = True, key: str | None = None):
     def handler(request: httpx.Request) -> httpx.Response:
+        if key is not None and request.headers.get("authorization") != f"Bearer {key}":
+            return httpx.Response(401, json={"error": {"message": "bad key", "type": "authentication_error"}})
         if request.url.path == "/v1/models":
             return httpx.Response(200, json={"object": "list", "data": [{"id": "fake-model"}]})
         body = json.loads(request.content)
@@ -109,3 +111,32 @@ def test_free_port_hands_out_distinct_bindable_ports_outside_the_ephemeral_range
     assert all(20000 <= p < max(_ephemeral_low(), 22000) for p in ports)
     with socket.socket() as s:  # the port is free: a server can bind it
         s.bind(("127.0.0.1", ports[0]))
+
+
+def test_an_api_key_goes_as_a_bearer_token_and_never_into_the_results() -> None:
+    seen: list[dict] = []
+    cfg = ServeConfig(url="http://fake:8000", api_key="s3cret")
+    res = run_serve_sync(PROMPTS[:2], cfg, transport=fake_server(seen, key="s3cret"))
+    assert res["metrics"]["completed"] == 2 and len(seen) == 2  # every request, and /v1/models, passed the check
+    assert "s3cret" not in json.dumps(res) and "s3cret" not in repr(cfg)
+    with pytest.raises(ConfigError, match="answered 401: the server wants an API key; pass --api-key"):
+        run_serve_sync(PROMPTS[:1], ServeConfig(url="http://fake:8000"), transport=fake_server([], key="s3cret"))
+
+
+def test_a_server_that_is_not_there_is_a_clear_error(tmp_path, capsys) -> None:
+    from dsde_bench import cli
+    from dsde_bench.ports import free_port
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("All connection attempts failed", request=request)
+
+    with pytest.raises(ConfigError, match=r"cannot reach http://fake:8000 \(ConnectError: All connection attempts "
+                                          r"failed\); is the server running\?"):
+        run_serve_sync(PROMPTS[:1], ServeConfig(url="http://fake:8000"), transport=httpx.MockTransport(refuse))
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    rc = cli.main(["--url", url, "--num-prompts", "1", "--results-dir", str(tmp_path), "--no-report"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"cannot reach {url}" in err and "Traceback" not in err, err
+    rc = cli.main(["--simulate", "--tiny", "--api-key", "k", "--results-dir", str(tmp_path), "--no-report"])
+    assert rc == 2 and "--api-key is a server's key: it goes with --url" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
