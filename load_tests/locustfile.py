@@ -20,7 +20,8 @@ event in the stream, a malformed chunk, or a stream that ends without `[DONE]`.
 
 Options (also LOCUST_* environment variables): --model (default: the first of GET /v1/models), --workloads
 (chat,code,math), --prompts-per-workload (8), --short-tokens (32), --long-tokens (256), --long-fraction (0.25),
---max-prompt-chars (1500), --chat-fraction (0.5), --temperature (0).
+--max-prompt-chars (1500), --chat-fraction (0.5), --temperature (0), --api-key (default $DSDE_API_KEY: sent as a
+bearer token to a service started with a key).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def _options(parser: Any) -> None:
     parser.add_argument("--max-prompt-chars", type=int, default=1500, help="longer prompts are not sampled")
     parser.add_argument("--chat-fraction", type=float, default=0.5, help="share sent to /v1/chat/completions")
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--api-key", default="", env_var="DSDE_API_KEY", is_secret=True,
+                        help="sent as 'Authorization: Bearer KEY' (a service started with --api-key)")
 
 
 @events.test_start.add_listener
@@ -78,6 +81,8 @@ class OpenAIStreamingUser(HttpUser):
     wait_time = between(0.1, 0.5)
 
     def on_start(self) -> None:
+        if self.environment.parsed_options.api_key:
+            self.client.headers["Authorization"] = f"Bearer {self.environment.parsed_options.api_key}"
         if not _MODEL:
             with self.client.get("/v1/models", name="GET /v1/models", catch_response=True) as r:
                 if r.status_code != 200 or not r.json().get("data"):
