@@ -138,7 +138,10 @@ def cluster_gone(wait_s: float = 0.0) -> bool:
     after it reached this process, and every Ray call would then wait a minute for the GCS to come back."""
     import ray
 
-    host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+    try:
+        host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+    except Exception:  # noqa: BLE001 - no runtime context: this process is no longer connected to a cluster
+        return True
     deadline = time.monotonic() + wait_s
     while True:
         try:
