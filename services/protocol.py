@@ -47,7 +47,9 @@ MAX_PROMPTS = 64  # prompts per completions request (the engine's queue bounds p
 MAX_STOP_CHARS = 256  # per stop string
 GREEDY_BELOW = 1e-5  # a temperature under this is greedy (as in vLLM): 1 / T would overflow the logits
 log = logging.getLogger("ray.serve")
-JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "true or false"}
+JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "true or false",
+              type(None): "null"}
+BODY_SHAPE_ERRORS = ("missing", "model_attributes_type", "model_type", "dict_type")  # pydantic's: no object given
 
 
 def one_of(expected: str) -> WrapValidator:
@@ -80,20 +82,21 @@ def error_body(message: str, status: int, type_: str | None = None, param: str |
 
 def describe_invalid(errors: list[dict[str, Any]], content_type: str = "application/json") -> tuple[str, str | None]:
     """A request's validation errors (FastAPI's) as one message and the first field they name (OpenAI's `param`).
-    A body that is no JSON object at all gets one sentence saying what is wrong with it, not pydantic's words."""
+    A body that is no JSON object at all gets one sentence saying what is wrong with it, not pydantic's words (a
+    model validator's error is the body's too, and keeps its own words)."""
     for err in errors:
-        loc = tuple(err.get("loc", ()))
-        if err.get("type") == "json_invalid":
+        loc, kind, given = tuple(err.get("loc", ())), err.get("type"), err.get("input")
+        if kind == "json_invalid":
             at = f" at character {loc[1]}" if len(loc) > 1 else ""
             return f"the request body is not valid JSON ({err.get('ctx', {}).get('error', 'decode error')}{at})", None
-        if loc == ("body",):  # no body, or one that is not a JSON object
-            media = content_type.split(";")[0].strip().lower()
-            if media and media != "application/json" and not media.endswith("+json"):
-                return f"the request body must be JSON: send it with Content-Type: application/json, not {media}", None
-            if err.get("type") == "missing":
-                return "the request body is empty: send a JSON object", None
-            got = JSON_KINDS.get(type(err.get("input")), "something else")
-            return f"the request body must be a JSON object, got {got}", None
+        if loc != ("body",) or kind not in BODY_SHAPE_ERRORS:
+            continue
+        if isinstance(given, bytes | bytearray):  # FastAPI parses a body as JSON only when its Content-Type says so
+            media = content_type.split(";")[0].strip() or "none"
+            return f"the request body must be JSON: send it with Content-Type: application/json (got {media})", None
+        if kind == "missing":
+            return "the request body is empty: send a JSON object", None
+        return f"the request body must be a JSON object, got {JSON_KINDS.get(type(given), 'something else')}", None
     parts, param = [], None
     for err in errors:
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")

@@ -221,8 +221,12 @@ BAD_BODIES = [  # (raw body, Content-Type, what the message must say, param)
     (b"", "", "the request body is empty", None),
     (b"[]", "application/json", "must be a JSON object, got an array", None),
     (b'"x"', "application/json; charset=utf-8", "must be a JSON object, got a string", None),
+    (b"null", "application/json", "must be a JSON object, got null", None),
     (b"{}", "application/x-www-form-urlencoded",  # curl -d without -H: the body is never read as JSON
-     "send it with Content-Type: application/json, not application/x-www-form-urlencoded", None),
+     "send it with Content-Type: application/json (got application/x-www-form-urlencoded)", None),
+    (b"{}", "", "send it with Content-Type: application/json (got none)", None),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}', "application/json",
+     "tools and functions (function calling) are not supported", None),  # a model validator's: the body's own words
     (b'{"model": "m", "messages": [{"role": "user", "content": 5}]}', "application/json",
      "messages.0.content: expected a string or a list of text parts", "messages.0.content"),
     (b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}',
