@@ -214,7 +214,8 @@ class ContextSlope:
         for k, sc, sy, scc, scy in self._sums.values():
             sxx += scc - sc * sc / k
             sxy += scy - sc * sy / k
-        self.value = max(0.0, sxy / (sxx + self.prior))
+        denom = sxx + self.prior  # 0 only with no prior and no spread in context within any n: no slope to read
+        self.value = max(0.0, sxy / denom) if denom > 0 else 0.0
 
 
 @dataclass

@@ -615,6 +615,7 @@ def test_online_cost_model_prices_the_context() -> None:
     assert blind.context_factor(1000) == 1.0
 
 
+@pytest.mark.filterwarnings("error")  # no 0/0 while a window holds one context per n and the prior is 0
 def test_context_slope_is_within_n_never_negative_and_forgets() -> None:
     from dsde_core.cost import ContextSlope
 
