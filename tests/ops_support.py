@@ -8,6 +8,7 @@ started (never `ray stop`)."""
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import math
 import os
@@ -42,6 +43,17 @@ def tool(name: str) -> Path:
         if candidate and Path(candidate).exists():
             return Path(candidate)
     pytest.fail(f"`{name}` is not installed: `make setup` installs it (see README, Operations)", pytrace=False)
+
+
+def locust_command(base: str, csv_prefix: Path, *flags: str) -> list[str]:
+    """load_tests/locustfile.py headless against `base`, its statistics in `csv_prefix`_*.csv, with `flags`."""
+    return [str(tool("locust")), "-f", str(ROOT / "load_tests" / "locustfile.py"), "--headless", "--host", base,
+            "--csv", str(csv_prefix), "--only-summary", *flags]
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
 
 
 def ray_env() -> dict[str, str]:

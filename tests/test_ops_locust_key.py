@@ -4,7 +4,6 @@ fails at /v1/models, where it should, instead of timing 401s."""
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import subprocess
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ops_support import ROOT, tool
+from tests.ops_support import ROOT, locust_command, read_csv
 
 KEY = "locust-key"
 
@@ -66,12 +65,10 @@ def keyed() -> Iterator[str]:
 
 
 def _locust(base: str, prefix: Path, env: dict[str, str], *flags: str) -> dict[tuple[str, str], dict[str, str]]:
-    cmd = [str(tool("locust")), "-f", str(ROOT / "load_tests" / "locustfile.py"), "--headless", "--host", base,
-           "--users", "2", "--spawn-rate", "2", "--run-time", "4s", "--csv", str(prefix), "--only-summary",
-           "--prompts-per-workload", "2", "--workloads", "chat", *flags]
+    cmd = locust_command(base, prefix, "--users", "2", "--spawn-rate", "2", "--run-time", "4s",
+                         "--prompts-per-workload", "2", "--workloads", "chat", *flags)
     subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
-    with Path(f"{prefix}_stats.csv").open() as f:
-        return {(r["Type"], r["Name"]): r for r in csv.DictReader(f)}
+    return {(r["Type"], r["Name"]): r for r in read_csv(Path(f"{prefix}_stats.csv"))}
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])

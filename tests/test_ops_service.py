@@ -14,7 +14,6 @@ with deploy/prometheus/prometheus.yml and its recording rules, and Locust drivin
 from __future__ import annotations
 
 import concurrent.futures
-import csv
 import json
 import re
 import subprocess
@@ -37,12 +36,13 @@ from tests.ops_support import (
     PromQLError,
     RayHead,
     finite_values,
+    locust_command,
     prometheus_server,
     prometheus_test_config,
     ray_head,
+    read_csv,
     serve_deploy,
     tiny_serve_config,
-    tool,
 )
 from tests.service_support import free_port, http_get, http_post, make_tiny_pair, wait_for
 
@@ -76,17 +76,11 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
 
 
 # ---- Locust -------------------------------------------------------------------------------------------------
-def _read_csv(path: Path) -> list[dict[str, str]]:
-    with path.open() as f:
-        return list(csv.DictReader(f))
-
-
 def test_locust_headless_run_streams_without_errors(live: Live, tmp_path: Path) -> None:
     prefix = tmp_path / "locust"
-    cmd = [str(tool("locust")), "-f", str(ROOT / "load_tests" / "locustfile.py"), "--headless",
-           "--host", live.base, "--users", "3", "--spawn-rate", "3", "--run-time", "25s", "--stop-timeout", "60",
-           "--csv", str(prefix), "--only-summary", "--short-tokens", "16", "--long-tokens", "64",
-           "--long-fraction", "0.3", "--prompts-per-workload", "4", "--max-prompt-chars", "600"]
+    cmd = locust_command(live.base, prefix, "--users", "3", "--spawn-rate", "3", "--run-time", "25s",
+                         "--stop-timeout", "60", "--short-tokens", "16", "--long-tokens", "64", "--long-fraction",
+                         "0.3", "--prompts-per-workload", "4", "--max-prompt-chars", "600")
     t0 = time.monotonic()
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
     elapsed = time.monotonic() - t0
@@ -94,8 +88,8 @@ def test_locust_headless_run_streams_without_errors(live: Live, tmp_path: Path) 
     assert res.returncode == 0, out[-4000:]
     assert elapsed < 120, f"locust ran {elapsed:.0f}s"
 
-    stats = {(r["Type"], r["Name"]): r for r in _read_csv(Path(f"{prefix}_stats.csv"))}
-    failures = _read_csv(Path(f"{prefix}_failures.csv"))
+    stats = {(r["Type"], r["Name"]): r for r in read_csv(Path(f"{prefix}_stats.csv"))}
+    failures = read_csv(Path(f"{prefix}_failures.csv"))
     assert failures == [], failures
     assert int(stats[("", "Aggregated")]["Failure Count"]) == 0, stats[("", "Aggregated")]
     streamed = [r for (kind, name), r in stats.items() if kind == "POST" and name.endswith("(stream)")]
