@@ -6,6 +6,7 @@ Policy configurations live beside their rules in dsde_core.policies.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +21,11 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 10.0  # 1: none; a tinier
 MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-100, 100] (OpenAI's range)
 MAX_BIASED_TOKENS = 1024  # token ids one request may bias
 MAX_STOP_TOKEN_IDS = 64  # token ids one request may stop on
+
+
+def is_device(device: object) -> bool:
+    """'cpu', 'cuda' or 'cuda:N': where the engine's models run."""
+    return isinstance(device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", device) is not None
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -153,7 +159,7 @@ class EngineConfig:
         _check(0 <= self.max_sl <= 64, f"max_sl must be in [0, 64], got {self.max_sl}")
         _check(1 <= self.draft_top_k <= 4096, f"draft_top_k must be in [1, 4096], got {self.draft_top_k}")
         _check(self.dtype in DTYPES, f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        _check(self.device == "cpu" or self.device.startswith("cuda"),
+        _check(is_device(self.device),
                f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         _check(self.draft_quant in ("auto", "int8", "none"),
                f"draft_quant must be 'auto', 'int8' or 'none', got {self.draft_quant!r}")

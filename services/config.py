@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from dsde_core.config import DTYPES, EngineConfig
+from dsde_core.config import DTYPES, EngineConfig, is_device
 from dsde_core.errors import ConfigError
 from dsde_core.models.loader import DEFAULT_DRAFT, DEFAULT_TARGET
 from dsde_core.policies import DEFAULT_POLICY, make_policy
@@ -84,12 +84,17 @@ class ServiceConfig:
                f"target must be a model source, got {self.target!r}")
         _check(self.model_name is None or (isinstance(self.model_name, str) and bool(self.model_name.strip())),
                f"model_name must be a non-empty string, got {self.model_name!r}")
-        _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+        _check(self.device == "auto" or is_device(self.device),
                f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         for name in ("draft_num_cpus", "draft_num_gpus", "target_num_cpus", "target_num_gpus", "controller_num_cpus"):
             value = getattr(self, name)
             _check(isinstance(value, (int, float)) and 0 <= value <= 1024,
                    f"{name} must be in [0, 1024], got {value!r}")
+        if self.device.startswith("cuda"):
+            for role in ["target"] + ["draft"] * (self.draft is not None):
+                _check(getattr(self, f"{role}_num_gpus") > 0,
+                       f"device {self.device!r} needs {role}_num_gpus > 0 (dsde serve: --num-gpus): Ray shows a "
+                       f"GPU only to an actor that asks for one")
         _check(isinstance(self.actor_max_restarts, int) and -1 <= self.actor_max_restarts <= 1000,
                f"actor_max_restarts must be an integer in [-1, 1000], got {self.actor_max_restarts!r}")
         _check(isinstance(self.max_queue, int) and 0 <= self.max_queue <= 1 << 20,

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dsde_core.errors import ConfigError, DSDEError, ModelLoadError
 from dsde_core.models.packaged import EMBEDDED
 from services.config import PolicyConfig, ServiceConfig
@@ -58,6 +60,10 @@ class LocalServe:
         if self.num_cpus is not None and self.num_cpus < needs:  # the actors would wait for CPUs forever
             raise ConfigError(f"--num-cpus {self.num_cpus}: the model actors need {needs:g} of the cluster's "
                               f"logical CPUs")
+        gpus = cfg.draft_num_gpus * (cfg.draft is not None) + cfg.target_num_gpus
+        if gpus > torch.cuda.device_count():  # as above, for GPUs; torch's count: the actors' torch must see them
+            raise ConfigError(f"--num-gpus: the model actors need {gpus:g} GPUs, and torch sees "
+                              f"{torch.cuda.device_count()} on this machine")
         if self.worker_niceness is not None and not -20 <= self.worker_niceness <= 19:
             raise ConfigError(f"--worker-niceness must be a nice level in [-20, 19], got {self.worker_niceness}")
         ports = [(name, port) for name, port in (("--port", self.port), ("--metrics-port", self.metrics_port))

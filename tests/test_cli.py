@@ -25,6 +25,7 @@ def _dsde(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     (["generate", "hi", "--temperature", "-1"], "temperature"),
     (["generate", "hi", "--repetition-penalty", "0"], "repetition_penalty"),
     (["generate", "hi", "--dtype", "float8"], "dtype"),
+    (["generate", "hi", "--device", "cuda:99"], "device 'cuda:99': "),  # no CUDA here, or fewer GPUs: before loading
     (["prepare", "no-such-model"], "no-such-model"),
 ])
 def test_bad_input_is_a_clear_error(args: list[str], message: str) -> None:

@@ -135,6 +135,22 @@ def test_bad_sources(tmp_path: Path) -> None:
         load_model(str(tmp_path))  # a directory without a model
 
 
+def test_a_cuda_device_this_process_cannot_use_is_a_clear_error(
+        save_tiny_model, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = str(save_tiny_model("m"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(ModelLoadError, match="device 'cuda': this torch is a CPU-only build; use device 'cpu'"):
+        load_model(path, device="cuda")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")  # a CUDA build on a machine (or a Ray actor) without a GPU
+    with pytest.raises(ModelLoadError, match="device 'cuda': this process sees no CUDA GPU"):
+        load_model(path, device="cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ModelLoadError, match=r"device 'cuda:2': this process sees 2 CUDA GPU\(s\), cuda:0 to cuda:1"):
+        load_model(path, device="cuda:2")
+
+
 @pytest.mark.real_models
 def test_real_pair_compatible() -> None:
     check_compatible(load_model(DEFAULT_DRAFT), load_model(DEFAULT_TARGET))

@@ -36,9 +36,11 @@ def test_service_config_defaults_and_errors() -> None:
     assert ServiceConfig.from_args({"prefill_chunk": None}).engine_config().prefill_chunk is None
     assert ServiceConfig(target="/models/my-model/", draft="none").served_name == "my-model"
     assert ServiceConfig(draft="none").draft is None
+    assert ServiceConfig(draft="none", device="cuda:1", target_num_gpus=0.5).device == "cuda:1"  # none for a draft
     for bad, word in [({"max_batch_size": 0}, "max_batch_size"), ({"dtype": "int8"}, "dtype"),
                       ({"policy": "bogus"}, "bogus"), ({"target_num_gpus": -1}, "target_num_gpus"),
-                      ({"device": "tpu"}, "device"), ({"nonsense": 1}, "nonsense"),
+                      ({"device": "tpu"}, "device"), ({"device": "cuda:x"}, "device"), ({"nonsense": 1}, "nonsense"),
+                      ({"device": "cuda", "target_num_gpus": 1}, "draft_num_gpus"),
                       ({"admit_wait_s": -0.1}, "admit_wait_s"), ({"admit_wait_s": "soon"}, "admit_wait_s"),
                       ({"draft_window": 0}, "draft_window"), ({"draft_window": -1}, "draft_window"),
                       ({"prefill_chunk": 0}, "prefill_chunk")]:
@@ -462,7 +464,10 @@ def test_dsde_serve_rejects_bad_arguments_before_starting_ray(capsys: pytest.Cap
                         (["--host", "no-such-host.invalid"], "--host 'no-such-host.invalid' is not a host name"),
                         (["--host", "198.51.100.1"], "--host 198.51.100.1: cannot listen on 198.51.100.1:8000"),
                         (["--num-cpus", "1"], "--num-cpus 1: the model actors need 2 of the cluster's logical CPUs"),
-                        (["--worker-niceness", "20"], "--worker-niceness must be a nice level in [-20, 19], got 20")]:
+                        (["--worker-niceness", "20"], "--worker-niceness must be a nice level in [-20, 19], got 20"),
+                        (["--device", "cuda"], "device 'cuda' needs target_num_gpus > 0 (dsde serve: --num-gpus)"),
+                        (["--device", "gpu"], "device must be 'auto', 'cpu' or 'cuda[:N]', got 'gpu'"),
+                        (["--num-gpus", "64"], "--num-gpus: the model actors need 128 GPUs, and torch sees")]:
         assert main(["serve", *flags]) == 2, flags
         err = capsys.readouterr().err
         assert says in err and "Traceback" not in err, err

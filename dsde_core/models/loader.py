@@ -46,6 +46,7 @@ def load_model(
     quantize="int8": weight-only int8 (models/quant.py) — for a draft model only."""
     if dtype not in (torch.bfloat16, torch.float32, torch.float16):
         raise ModelLoadError(f"dtype {dtype} is not supported; use torch.bfloat16 or torch.float32")
+    check_device(device)
     if source in EMBEDDED:
         return load_hf_dir(ensure_embedded(EMBEDDED[source]), dtype, device, name=source, quantize=quantize)
     path = Path(os.path.expanduser(source))
@@ -64,6 +65,18 @@ def load_model(
         f"cannot load model {source!r}: it is not an embedded model name ({', '.join(EMBEDDED)}), "
         f"not a local Hugging Face model directory and not a local .gguf file"
     )
+
+
+def check_device(device: str) -> None:
+    """ModelLoadError, before any weights are read, unless this process can place tensors on `device`."""
+    if not device.startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        why = "this torch is a CPU-only build" if torch.version.cuda is None else "this process sees no CUDA GPU"
+        raise ModelLoadError(f"device {device!r}: {why}; use device 'cpu'")
+    index, count = int(device.partition(":")[2] or 0), torch.cuda.device_count()
+    if index >= count:
+        raise ModelLoadError(f"device {device!r}: this process sees {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}")
 
 
 def check_gguf_arch(path: Path) -> None:
