@@ -14,6 +14,7 @@ BENCHMARKS.md from all results/*.json.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -279,14 +280,17 @@ def _grid(args: argparse.Namespace) -> int:
     return _finish(args, doc, "bench", bench_plots, bench_section({**doc, "meta": {"command": command_line()}}))
 
 
-def _trace_path(args: argparse.Namespace, backend_desc: dict[str, Any], workload: str, n: int, tokens: int,
-                horizon: int, seed: int, batch: int | None = None) -> Path:
-    """The cached trace's file; `batch`: recorded that many prompts at a time (None: over all of the slots)."""
+def _trace_path(args: argparse.Namespace, backend_desc: dict[str, Any], workload: str, prompts: list[Any],
+                tokens: int, horizon: int, seed: int, batch: int | None = None) -> Path:
+    """The cached trace's file; `batch`: recorded that many prompts at a time (None: over all of the slots). Its
+    name ends in a key over everything else that decides what is recorded (the pair, its dtype, the draft's noise, the
+    prompts' texts), so that a run with another draft or --max-chars records anew instead of replaying this one."""
     tag = "tiny" if args.tiny else f"{backend_desc.get('target')}-{backend_desc.get('dtype')}"
     tag = "".join(ch if ch.isalnum() or ch in ".-_" else "_" for ch in tag)
+    key = hashlib.sha256(json.dumps([backend_desc, _sha(prompts)], sort_keys=True).encode()).hexdigest()[:8]
     d = Path(args.traces_dir) if args.traces_dir else default_traces_dir()
     shape = "" if batch is None else f"-b{batch}"
-    return d / f"{workload}-n{n}-seed{seed}-t{tokens}-h{horizon}{shape}-{tag}.json"
+    return d / f"{workload}-n{len(prompts)}-seed{seed}-t{tokens}-h{horizon}{shape}-{tag}-{key}.json"
 
 
 def default_traces_dir() -> Path:
@@ -329,7 +333,7 @@ def _simulate(args: argparse.Namespace) -> int:
         return backend
 
     def trace_of(w: str, prompts: list[Any], seed: int, what: str, batch: int | None = None) -> Trace:
-        path = _trace_path(args, desc, w, len(prompts), tokens, horizon, seed, batch)
+        path = _trace_path(args, {**desc, "draft_noise": args.draft_noise}, w, prompts, tokens, horizon, seed, batch)
         if path.exists():
             print(f"{what} {w}: {path} (cached)", file=sys.stderr)
             return Trace.load(path)
@@ -402,8 +406,6 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _sha(prompts: list[Any]) -> str:
-    import hashlib
-
     h = hashlib.sha256()
     for p in prompts:
         h.update(p.text.encode("utf-8"))

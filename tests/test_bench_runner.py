@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -273,15 +274,15 @@ def test_cli_simulate_tiny(tmp_path, monkeypatch, capsys) -> None:
     assert doc["validation"]["ok"] and {c["profile"] for c in doc["cells"]} == {"cpu", "gpu"}
     # the validation runs the engine at batch 1, so its trace is recorded one prompt at a time
     traces = tmp_path / "cache" / "dsde" / "traces"
-    assert json.loads((traces / "code-n2-seed1-t12-h6-b1-tiny.json").read_text())["meta"]["batch"] == 1
+    assert json.loads(_one(traces.glob("code-n2-seed1-t12-h6-b1-tiny-*.json")).read_text())["meta"]["batch"] == 1
     assert "Every cell starts from a fresh policy" in (tmp_path / "B.md").read_text()
     # a run without the validation records its trace batched over all the slots, and one of other prompts for
     # dsde-goodput's warm-up
     assert cli.main(["--tiny", "--simulate", "--workloads", "code", "--num-prompts", "2", "--max-tokens", "12",
                      "--max-sl", "6", "--profiles", "gpu", "--sim-batch-sizes", "1", "--results-dir", str(res),
                      "--warm-requests", "1", "--benchmarks-md", str(tmp_path / "B.md"), "--no-plots"]) == 0
-    assert json.loads((traces / "code-n2-seed1-t12-h6-tiny.json").read_text())["meta"]["batch"] is None
-    assert list(traces.glob("code-n1-seed1001-t12-h6-tiny.json"))
+    assert json.loads(_one(traces.glob("code-n2-seed1-t12-h6-tiny-*.json")).read_text())["meta"]["batch"] is None
+    assert list(traces.glob("code-n1-seed1001-t12-h6-tiny-*.json"))
     doc = json.loads((res / "simulate.json").read_text())
     assert doc["warm_traces"] == [{"workload": "code", "prompts": 1, "max_tokens": 12}]
     text = (tmp_path / "B.md").read_text()
@@ -294,6 +295,18 @@ def test_cli_simulate_tiny(tmp_path, monkeypatch, capsys) -> None:
     assert not list(traces.glob("code-n2-seed1001-*"))
     assert "(cached)" in capsys.readouterr().err
     assert json.loads((res / "simulate.json").read_text())["warm_traces"] == []
+    # a trace is replayed only for what it recorded: another draft (noise on its logits) or other prompts record anew
+    for flags in (["--draft-noise", "8"], ["--max-chars", "1200"]):
+        assert cli.main(["--tiny", "--simulate", "--workloads", "code", "--num-prompts", "2", "--max-tokens", "12",
+                         "--max-sl", "6", "--profiles", "gpu", "--sim-batch-sizes", "1", "--results-dir", str(res),
+                         "--sim-policies", "off,static:2", *flags, "--no-report", "--no-plots"]) == 0
+        assert "(cached)" not in capsys.readouterr().err, flags
+    assert len(list(traces.glob("code-n2-seed1-t12-h6-tiny-*.json"))) == 3
+
+
+def _one(paths: Iterable[Path]) -> Path:
+    (path,) = paths
+    return path
 
 
 def test_cli_reports_a_missing_data_package(monkeypatch, tmp_path, capsys) -> None:
