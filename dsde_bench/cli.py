@@ -1,7 +1,8 @@
 """`dsde bench`: the policy grid on the in-process engine (default), the trace-driven simulator (--simulate), or an
 HTTP server (--url). Every mode writes results/<mode>.json, a Markdown table beside it, PNG plots in results/plots
-(with another --out: the table and the plots beside that file, in <stem>.md and <stem>_plots/), and regenerates
-BENCHMARKS.md from all results/*.json.
+and regenerates BENCHMARKS.md from all results/*.json. A run with an --out outside results/ (or another --results-dir)
+is a scratch run: its table and plots go beside its JSON, in <stem>.md and <stem>_plots/, and BENCHMARKS.md is left as
+it is unless --benchmarks-md names a page.
 
     dsde bench                                   # small grid: code + mixed, 4 prompts, 32 tokens, batch 1 and 4, T=0,
                                                  # off, static:2, static:4, dsde-nocap, dsde, dsde-goodput (~6 min)
@@ -20,6 +21,7 @@ import math
 import os
 import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,8 @@ from dsde_bench import provenance
 from dsde_bench.probe import PROBE_FORWARDS
 from dsde_bench.workloads import DEFAULT_MAX_CHARS, load_workload, parse_workloads
 from dsde_core.errors import ConfigError, DSDEError
+
+RESULTS, PAGE = "results", "BENCHMARKS.md"  # the published results folder and the page made from it
 
 SMALL_WORKLOADS = "code,mixed"
 SIM_DEFAULT_TOKENS = 96
@@ -143,9 +147,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sent as 'Authorization: Bearer KEY' (a server started with --api-key; default $DSDE_API_KEY)")
 
     o = p.add_argument_group("output")
-    o.add_argument("--results-dir", default="results")
+    o.add_argument("--results-dir", default=RESULTS)
     o.add_argument("--out", default=None, help="results JSON (default RESULTS/{bench,simulate,serve}.json)")
-    o.add_argument("--benchmarks-md", default="BENCHMARKS.md", help="the page regenerated after the run")
+    o.add_argument("--benchmarks-md", default=None,
+                   help=f"the page regenerated from RESULTS after the run (default: {PAGE}, and only after a run "
+                        f"that writes into the default results folder)")
     o.add_argument("--no-report", action="store_true", help="do not regenerate BENCHMARKS.md")
     o.add_argument("--no-plots", action="store_true")
     o.add_argument("--no-progress", action="store_true")
@@ -170,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
             from dsde_core.config import EngineConfig
 
             EngineConfig(draft_window=args.draft_window)  # a bad N fails now, before any data or model loads
+        _check_writable(args, "serve" if args.url else "simulate" if args.simulate else "bench")
         if args.url:
             return _serve(args)
         if args.simulate:
@@ -211,10 +218,39 @@ def _json_default(x: Any) -> Any:
     return str(x)
 
 
+def _out(args: argparse.Namespace, name: str) -> Path:
+    return Path(args.out) if args.out else Path(args.results_dir) / f"{name}.json"
+
+
+def _page(args: argparse.Namespace, out: Path) -> Path | None:
+    """The page the run regenerates: the one --benchmarks-md names, else the published one, but only after a run into
+    the published results (a scratch run's --out elsewhere, or another --results-dir, leaves it as it is)."""
+    if args.no_report:
+        return None
+    if args.benchmarks_md:
+        return Path(args.benchmarks_md)
+    published = Path(RESULTS).resolve()
+    return Path(PAGE) if Path(args.results_dir).resolve() == published == out.resolve().parent else None
+
+
+def _check_writable(args: argparse.Namespace, name: str) -> None:
+    """Before a run that may take hours: the folders its files go to exist (or can be made) and take a file."""
+    out = _out(args, name)
+    page = _page(args, out)
+    folders = [("--results-dir", Path(args.results_dir))] + ([("--out", out.parent)] if args.out else [])
+    for flag, folder in folders + ([("--benchmarks-md", page.parent)] if page else []):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as e:
+            raise ConfigError(f"{flag}: cannot write to {folder} ({e.strerror or e})") from None
+
+
 def _finish(args: argparse.Namespace, doc: dict[str, Any], name: str, plot_fn: Any, table: str) -> int:
     results = Path(args.results_dir)
     default = results / f"{name}.json"
-    out = Path(args.out) if args.out else default
+    out = _out(args, name)
     # beside its JSON: a run with another --out leaves the default run's table and plots alone
     md = out.with_suffix(".md")
     plot_dir = results / "plots" if out.resolve() == default.resolve() else out.parent / f"{out.stem}_plots"
@@ -225,10 +261,13 @@ def _finish(args: argparse.Namespace, doc: dict[str, Any], name: str, plot_fn: A
     _write(doc, out)
     md.write_text(table + "\n")
     print(f"wrote {md}" + (f" and {len(plots)} plots in {plot_dir}" if plots else ""))
-    if not args.no_report:
+    if page := _page(args, out):
         from dsde_bench.report import write
 
-        print(f"wrote {write(results, args.benchmarks_md)}")
+        print(f"wrote {write(results, page)}")
+    elif not args.no_report:
+        print(f"{PAGE} left as it is: a scratch run ({out} is not in {RESULTS}/; --benchmarks-md names a page to "
+              f"regenerate)")
     return 0
 
 
@@ -444,8 +483,8 @@ def _report(argv: list[str]) -> int:
     from dsde_bench.report import write
 
     p = argparse.ArgumentParser(prog="python -m dsde_bench report", description="regenerate BENCHMARKS.md")
-    p.add_argument("--results", default="results")
-    p.add_argument("--out", default="BENCHMARKS.md")
+    p.add_argument("--results", default=RESULTS)
+    p.add_argument("--out", default=PAGE)
     p.add_argument("--plots", action="store_true", help="also redraw the PNGs from the JSON documents")
     a = p.parse_args(argv)
     if a.plots:

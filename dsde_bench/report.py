@@ -808,6 +808,8 @@ def render(results_dir: str | Path = "results", page_dir: str | Path = ".") -> s
 
 
 def write(results_dir: str | Path = "results", out: str | Path = "BENCHMARKS.md") -> Path:
+    if not Path(results_dir).is_dir():  # a mistyped folder would otherwise give a page of no results in place of one
+        raise ConfigError(f"no results folder {str(results_dir)!r}: the page is left as it is")
     p = Path(out)
     p.write_text(render(results_dir, p.parent))
     return p

@@ -309,6 +309,34 @@ def _one(paths: Iterable[Path]) -> Path:
     return path
 
 
+@needs_data
+def test_only_a_run_into_the_published_results_regenerates_the_page(tmp_path, monkeypatch, capsys) -> None:
+    """A scratch run (--out elsewhere, another --results-dir) leaves BENCHMARKS.md as it is; a folder it cannot write
+    is refused before the run; `report` on a folder that is not there keeps the page."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "results").mkdir()
+    page = tmp_path / "BENCHMARKS.md"
+    page.write_text("published\n")
+    small = ["--tiny", "--workloads", "code", "--policies", "off", "--batch-sizes", "1", "--num-prompts", "1",
+             "--max-tokens", "4", "--no-anchor", "--no-progress", "--no-plots"]
+    for flags in (["--out", str(tmp_path / "scratch" / "x.json")], ["--results-dir", str(tmp_path / "other")]):
+        assert cli.main([*small, *flags]) == 0
+        assert page.read_text() == "published\n", flags
+        assert "BENCHMARKS.md left as it is: a scratch run" in capsys.readouterr().out
+    assert (tmp_path / "scratch" / "x.json").exists() and (tmp_path / "other" / "bench.json").exists()
+    (tmp_path / "a-file").write_text("")
+    for flags, says in ((["--out", str(tmp_path / "a-file" / "x.json")], "--out: cannot write to"),
+                        (["--results-dir", str(tmp_path / "a-file")], "--results-dir: cannot write to"),
+                        (["--benchmarks-md", str(tmp_path / "a-file" / "B.md")], "--benchmarks-md: cannot write to")):
+        assert cli.main([*small, *flags]) == 2, flags
+        captured = capsys.readouterr()
+        assert says in captured.err and "cells" not in captured.err, captured  # refused before the run
+    assert cli.main(["report", "--results", str(tmp_path / "no-such-folder")]) == 2
+    assert "no results folder" in capsys.readouterr().err and page.read_text() == "published\n"
+    assert cli.main(small) == 0  # into results/: the published page is regenerated
+    assert page.read_text().startswith("# Benchmarks") and (tmp_path / "results" / "bench.json").exists()
+
+
 def test_cli_reports_a_missing_data_package(monkeypatch, tmp_path, capsys) -> None:
     import importlib.metadata as md
 
