@@ -160,12 +160,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     args.code = provenance.code_version()  # the code the run starts with: the checkout may move on during a run
     try:
-        given = {"--length-spread": bool(args.length_spread), "--draft-window": args.draft_window is not None,
-                 "--probe-forwards": args.probe_forwards is not None}
-        for flag in [f for f, on in given.items() if on and (args.url or args.simulate)]:
-            raise ConfigError(f"{flag} runs the in-process grid only (not --url or --simulate)")
-        if args.api_key is not None and not args.url:
-            raise ConfigError("--api-key is a server's key: it goes with --url")
+        _check_mode_flags(args)
         real = {"--draft": args.draft, "--target": args.target, "--threads": args.threads}  # what --tiny cannot honour
         for flag in [f for f, value in real.items() if value is not None and args.tiny]:
             raise ConfigError(f"{flag} sets up a real model; --tiny runs the tiny random pair without it")
@@ -184,6 +179,36 @@ def run(args: argparse.Namespace) -> int:
         return _grid(args)
     except DSDEError as e:  # a bad flag, config or results file; a workload's data package missing
         return _error(e)
+
+
+# The flags that not every mode reads, and the modes that do: given to another mode, one would be silently ignored.
+# The rest (--workloads, --num-prompts, --max-tokens, --seed, --max-chars and the output's) every mode reads.
+_GRID, _SIM, _URL = "the in-process grid", "--simulate", "--url"
+_MODELS = ("--draft", "--target", "--dtype", "--max-sl", "--max-seq-len", "--threads", "--draft-noise", "--tiny")
+_READ_BY: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("--policies", "--batch-sizes", "--anchor", "--no-anchor", "--ignore-eos", "--length-spread",
+                     "--repeats", "--probe-forwards", "--draft-window"), (_GRID,)),
+    **dict.fromkeys(("--full", "--warm-requests", *_MODELS), (_GRID, _SIM)),
+    "--temperatures": (_GRID, _URL),
+    **dict.fromkeys(("--profiles", "--costs", "--sim-policies", "--sim-batch-sizes", "--sim-requests", "--sim-closed",
+                     "--horizon", "--traces-dir", "--validate", "--validate-batch-sizes", "--validate-policies",
+                     "--remeasure"), (_SIM,)),
+    **dict.fromkeys(("--api", "--model", "--concurrency", "--request-rate", "--api-key"), (_URL,)),
+}
+
+
+def _check_mode_flags(args: argparse.Namespace) -> None:
+    """A flag given (other than its default) to a mode that does not read it is an error naming the modes that do."""
+    defaults = argparse.ArgumentParser()
+    add_arguments(defaults)
+    mode = _URL if args.url else _SIM if args.simulate else _GRID
+    for flag, modes in _READ_BY.items():
+        dest = flag[2:].replace("-", "_")
+        if mode not in modes and getattr(args, dest) != defaults.get_default(dest):
+            readers = " and ".join(modes) + (" reads" if len(modes) == 1 else " read")
+            raise ConfigError(f"{flag} does not apply to {mode}: only {readers} it")
+    if args.url and args.temperatures and len(args.temperatures) > 1:
+        raise ConfigError(f"--url runs one temperature, got {len(args.temperatures)}: run it once per temperature")
 
 
 def _error(e: DSDEError) -> int:

@@ -18,6 +18,7 @@ from dsde_core.config import SamplingParams
 from dsde_core.cost import StepCosts
 from dsde_core.errors import ConfigError
 from dsde_core.policies import SeqInfo, StepFeedback, make_policy
+from tests.cli_support import help_flags
 
 
 def _data_ok() -> bool:
@@ -166,11 +167,28 @@ def test_length_spread_runs_every_policy_on_the_same_lengths(backend) -> None:
         assert [r["output_tokens"] for r in c["requests"]] == want
 
 
-def test_grid_only_flags_outside_the_grid_are_a_clear_error(tmp_path, capsys) -> None:
-    for flag in (["--length-spread", "0.5"], ["--probe-forwards", "2"]):
-        for mode in (["--simulate"], ["--url", "http://127.0.0.1:9"]):
-            rc = cli.main(["--tiny", *mode, *flag, "--results-dir", str(tmp_path), "--no-report"])
-            assert rc == 2 and f"{flag[0]} runs the in-process grid only" in capsys.readouterr().err
+def test_a_flag_the_mode_does_not_read_is_a_clear_error(tmp_path, capsys) -> None:
+    """Each mode reads its own flags; one given to another mode would be silently ignored (a --concurrency on the
+    in-process grid, a --policies list or --temperatures on the simulator, --tiny against a server)."""
+    url = ["--url", "http://127.0.0.1:9"]
+    for mode, flag, says in (
+            (["--simulate"], ["--length-spread", "0.5"], "--length-spread does not apply to --simulate: only the "
+                                                           "in-process grid reads it"),
+            (url, ["--probe-forwards", "2"], "--probe-forwards does not apply to --url: only the in-process grid"),
+            ([], ["--concurrency", "4"], "--concurrency does not apply to the in-process grid: only --url reads it"),
+            ([], ["--profiles", "gpu"], "--profiles does not apply to the in-process grid: only --simulate reads it"),
+            (["--simulate"], ["--policies", "off"], "--policies does not apply to --simulate"),
+            (["--simulate"], ["--temperatures", "1"], "--temperatures does not apply to --simulate: only the "
+                                                        "in-process grid and --url read it"),
+            (url, ["--tiny"], "--tiny does not apply to --url: only the in-process grid and --simulate read it"),
+            (url, ["--warm-requests", "4"], "--warm-requests does not apply to --url"),
+            (url, ["--temperatures", "0,1"], "--url runs one temperature, got 2")):
+        rc = cli.main([*mode, *flag, "--results-dir", str(tmp_path), "--no-report"])
+        err = capsys.readouterr().err
+        assert rc == 2 and says in err, (flag, err)
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert set(cli._READ_BY) <= help_flags(parser)  # the table names the command's own flags
     assert not any(tmp_path.iterdir())
 
 
@@ -210,8 +228,8 @@ def test_draft_window_reaches_the_grid_engine_and_nothing_else(tmp_path, capsys)
     assert default.engine.config.draft_window is None and default.engine.draft.window is None
     assert "draft_window" not in default.description
     for mode in (["--simulate"], ["--url", "http://127.0.0.1:9"]):
-        rc = cli.main(["--tiny", *mode, "--draft-window", "6", "--results-dir", str(tmp_path), "--no-report"])
-        assert rc == 2 and "--draft-window runs the in-process grid only" in capsys.readouterr().err
+        rc = cli.main([*mode, "--draft-window", "6", "--results-dir", str(tmp_path), "--no-report"])
+        assert rc == 2 and "--draft-window does not apply to" in capsys.readouterr().err
     for bad in ("0", "-4"):
         rc = cli.main(["--tiny", "--draft-window", bad, "--results-dir", str(tmp_path), "--no-report"])
         err = capsys.readouterr().err

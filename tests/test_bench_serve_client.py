@@ -138,5 +138,5 @@ def test_a_server_that_is_not_there_is_a_clear_error(tmp_path, capsys) -> None:
     err = capsys.readouterr().err
     assert rc == 2 and f"cannot reach {url}" in err and "Traceback" not in err, err
     rc = cli.main(["--simulate", "--tiny", "--api-key", "k", "--results-dir", str(tmp_path), "--no-report"])
-    assert rc == 2 and "--api-key is a server's key: it goes with --url" in capsys.readouterr().err
+    assert rc == 2 and "--api-key does not apply to --simulate: only --url reads it" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
