@@ -23,6 +23,7 @@ import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +38,27 @@ SMALL_WORKLOADS = "code,mixed"
 SIM_DEFAULT_TOKENS = 96
 
 
-def _floats(s: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in s.split(",") if x.strip())
+def _comma_list(kind: Callable[[str], Any], what: str) -> Callable[[str], tuple[Any, ...]]:
+    """A comma-list flag's type: one value or more (an empty list would otherwise fall back to the flag's default)."""
+    def parse(s: str) -> tuple[Any, ...]:
+        items = [x.strip() for x in s.split(",") if x.strip()]
+        try:
+            values = tuple(kind(x) for x in items)
+        except ValueError:
+            values = ()
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected a comma list of {what}, got {s!r}")
+        return values
+    return parse
 
 
-def _ints(s: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in s.split(",") if x.strip())
+_floats, _ints, _strs = _comma_list(float, "numbers"), _comma_list(int, "integers"), _comma_list(str, "names")
+
+
+def _nonblank(s: str) -> str:
+    if not s.strip():
+        raise argparse.ArgumentTypeError(f"expected a comma list of names or 'all', got {s!r}")
+    return s
 
 
 def _positive(s: str) -> int:
@@ -56,16 +72,14 @@ def _positive(s: str) -> int:
     return n
 
 
-def _strs(s: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in s.split(",") if x.strip())
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("grid (defaults: the small grid; --full: the whole grid; explicit flags override both)")
-    g.add_argument("--workloads", help=f"comma list of chat, code, math, summ, qa, mixed, or 'all' "
+    g.add_argument("--workloads", type=_nonblank, help=f"comma list of chat, code, math, summ, qa, mixed, or 'all' "
                                        f"(small: {SMALL_WORKLOADS})")
-    g.add_argument("--policies", help="comma list of policy specs (off, static:K, heuristic, adaedl, acceptance, "
-                                      "dsde-nocap, dsde, dsde-paper), or 'all'")
+    g.add_argument("--policies", type=_nonblank,
+                   help="comma list of policy specs (off, static:K, heuristic, adaedl, acceptance, dsde-nocap, dsde, "
+                        "dsde-paper, dsde-goodput), or 'all'")
     g.add_argument("--batch-sizes", type=_ints, help="comma list (small: 1,4; full: 1,4,16)")
     g.add_argument("--temperatures", type=_floats, help="comma list (small: 0; full: 0,1)")
     g.add_argument("--num-prompts", type=_positive, help="prompts per workload (small: 4; full: 16)")
@@ -369,6 +383,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from dsde_bench.simulator import (
         DEFAULT_SIM_POLICIES,
         CostModel,
+        builtin_profile,
         fit_engine_steps,
         load_costs_file,
         make_sim_policy,
@@ -381,6 +396,19 @@ def _simulate(args: argparse.Namespace) -> int:
 
     if args.sim_closed and args.sim_requests is not None:
         raise ConfigError("--sim-closed runs each prompt once: drop --sim-requests")
+    # the cost profiles fail now if they can, before any trace is recorded or step cost measured
+    files = {}
+    for item in args.costs:
+        name, eq, path = item.partition("=")
+        if not eq or not name.strip() or not path.strip():
+            raise ConfigError(f"--costs takes NAME=FILE, got {item!r}")
+        files[name.strip()] = load_costs_file(name.strip(), path.strip())
+    bench = Path(args.results_dir) / "bench.json"
+    if any(p.split(":")[0] == "engine" for p in args.profiles) and not bench.exists():
+        raise ConfigError(f"cost profile 'engine' fits the step timings of {bench}: run `dsde bench` first")
+    stand_in = builtin_profile("cpu")  # for 'measured' and 'engine', which exist only later
+    for spec in args.profiles:
+        parse_profile(spec, stand_in, stand_in, files)
     workloads = parse_workloads(args.workloads or ("all" if args.full else SMALL_WORKLOADS))
     n = args.num_prompts or (16 if args.full else 4)
     tokens = args.max_tokens or (128 if args.full else SIM_DEFAULT_TOKENS)
@@ -443,17 +471,8 @@ def _simulate(args: argparse.Namespace) -> int:
             print(f"measured step costs -> {cpath}", file=sys.stderr)
     engine_model = None
     if any(p.split(":")[0] == "engine" for p in args.profiles):
-        bench = Path(args.results_dir) / "bench.json"
-        if not bench.exists():
-            raise ConfigError(f"cost profile 'engine' fits the step timings of {bench}: run `dsde bench` first")
         rows = [r for c in json.loads(bench.read_text()).get("steps", []) for r in c["steps"]]
         engine_model = fit_engine_steps(rows, beyond=measured)
-    files = {}
-    for item in args.costs:
-        name, eq, path = item.partition("=")
-        if not eq or not name.strip() or not path.strip():
-            raise ConfigError(f"--costs takes NAME=FILE, got {item!r}")
-        files[name.strip()] = load_costs_file(name.strip(), path.strip())
     profiles = [parse_profile(p, measured, engine_model, files) for p in args.profiles]
 
     from dsde_bench.runner import ROW_HEADER, format_row

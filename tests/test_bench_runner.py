@@ -201,6 +201,14 @@ def test_a_zero_count_is_a_clear_error_not_the_default(tmp_path, capsys) -> None
                 cli.main(["--tiny", "--simulate", flag, value, "--results-dir", str(tmp_path), "--no-report"])
             err = capsys.readouterr().err
             assert e.value.code == 2 and f"argument {flag}: expected an integer >= 1, got" in err, err
+    # so did an empty list: --workloads '' ran the default workloads
+    for flag, value, says in (("--workloads", "", "names or 'all'"), ("--policies", " ", "names or 'all'"),
+                              ("--batch-sizes", ",", "integers"), ("--temperatures", "hot", "numbers"),
+                              ("--anchor", "", "names")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["--tiny", flag, value, "--results-dir", str(tmp_path), "--no-report"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"argument {flag}: expected a comma list of {says}, got {value!r}" in err, err
     assert not any(tmp_path.iterdir())
 
 
@@ -320,6 +328,19 @@ def test_cli_simulate_tiny(tmp_path, monkeypatch, capsys) -> None:
                          "--sim-policies", "off,static:2", *flags, "--no-report", "--no-plots"]) == 0
         assert "(cached)" not in capsys.readouterr().err, flags
     assert len(list(traces.glob("code-n2-seed1-t12-h6-tiny-*.json"))) == 3
+
+
+def test_a_bad_cost_profile_fails_before_any_trace_or_measurement(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    sim = ["--tiny", "--simulate", "--workloads", "code", "--num-prompts", "1", "--max-tokens", "4",
+           "--results-dir", str(tmp_path / "results"), "--no-report", "--no-plots"]
+    for flags, says in ((["--profiles", "measured,bogus"], "unknown cost profile 'bogus'"),
+                        (["--profiles", "gpu:knee=x"], "cannot read 'knee=x' as key=number"),
+                        (["--costs", "h100"], "--costs takes NAME=FILE, got 'h100'"),
+                        (["--profiles", "engine"], "cost profile 'engine' fits the step timings of")):
+        assert cli.main([*sim, *flags]) == 2, flags
+        assert says in capsys.readouterr().err, flags
+    assert not (tmp_path / "cache").exists() and not list((tmp_path / "results").iterdir())
 
 
 def _one(paths: Iterable[Path]) -> Path:
