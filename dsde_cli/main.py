@@ -1,7 +1,8 @@
-"""`dsde generate | prepare | serve | bench`.
+"""`dsde generate | prepare | serve | check-config | bench`.
 
 generate and prepare are dsde_core.cli's (in-process, no Ray); serve starts a local Ray cluster and the
-OpenAI-compatible service on it (services.launch); bench is dsde_bench's (imported when used).
+OpenAI-compatible service on it (services.launch); check-config reads a Serve config file as `serve deploy` would
+(services.config_file); bench is dsde_bench's (imported when used).
 """
 
 from __future__ import annotations
@@ -85,6 +86,26 @@ def local_serve(args: argparse.Namespace) -> LocalServe:
                       prometheus_sd=None if args.prometheus_sd.lower() == "none" else args.prometheus_sd)
 
 
+def _add_check_config(sub: Any) -> None:
+    c = sub.add_parser("check-config", help="check a Serve config file (serve deploy FILE) without a cluster")
+    c.add_argument("file", help="a Serve config file, e.g. deploy/config.yaml")
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    """Each application in one line, and a note for a model source that is not on this machine (on a cluster it
+    must be on every node, which this machine cannot see); a problem is an error naming the application and field."""
+    from services.config import model_source_exists
+    from services.config_file import check_config_file
+
+    for app in check_config_file(args.file):
+        print(app.describe())
+        sources = (app.config.target, app.config.draft) if app.config else ()
+        for source in [s for s in sources if s is not None and not model_source_exists(s)]:
+            print(f"  note: model {source!r} is not on this machine; every node that runs a replica needs it")
+    print(f"{args.file}: ok")
+    return 0
+
+
 def _add_bench(sub: Any) -> None:
     from dsde_bench import cli as bench_cli
 
@@ -104,8 +125,9 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     handlers = core_cli.add_commands(sub)
     _add_serve(sub)
+    _add_check_config(sub)
     _add_bench(sub)
-    handlers.update(serve=_serve, bench=_bench)
+    handlers.update(serve=_serve, bench=_bench, **{"check-config": _check_config})
     p.set_defaults(_handlers=handlers)
     return p
 

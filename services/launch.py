@@ -25,7 +25,7 @@ import torch
 
 from dsde_core.errors import ConfigError, DSDEError, ModelLoadError
 from dsde_core.models.packaged import EMBEDDED
-from services.config import PolicyConfig, ServiceConfig
+from services.config import PolicyConfig, ServiceConfig, model_source_exists
 from services.placement import strip_exception_type
 
 APP_NAME = "dsde"
@@ -47,7 +47,7 @@ class LocalServe:
         """Fail before Ray starts: bad args, a model source that is not there, ports already taken."""
         cfg = ServiceConfig.from_args(_no_user(self.args))
         for role, source in (("--target", cfg.target), ("--draft", cfg.draft)):
-            if source is not None and not _model_source_exists(source):
+            if source is not None and not model_source_exists(source):
                 raise ModelLoadError(f"{role} {source!r} is not an embedded model name ({', '.join(EMBEDDED)}), "
                                      f"a local Hugging Face model directory or a local .gguf file")
         if "user_config" in self.args:
@@ -78,11 +78,6 @@ class LocalServe:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
-
-
-def _model_source_exists(source: str) -> bool:
-    path = Path(os.path.expanduser(source))
-    return source in EMBEDDED or path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf")
 
 
 def _cannot_listen(flag: str, host: str, port: int) -> str | None:

@@ -164,6 +164,15 @@ def test_serve_config_is_deploy_config_yamls_application(default: dict[str, Any]
     assert values["serve"]["argOverrides"] == {"draft_num_gpus": 0.5, "target_num_gpus": 0.5}
 
 
+def test_the_rendered_serve_config_passes_dsde_check_config(default: dict[str, Any], tmp_path: Path) -> None:
+    from services.config_file import check_config_file
+
+    path = tmp_path / "serveConfigV2.yaml"
+    path.write_text(default["RayService"]["spec"]["serveConfigV2"])
+    [app] = check_config_file(path)
+    assert app.config is not None and app.config.target_num_gpus == 0.5 and app.policy is not None
+
+
 def test_head_schedules_no_work_and_the_gpu_workers_ask_for_gpus(default: dict[str, Any]) -> None:
     cluster = default["RayService"]["spec"]["rayClusterConfig"]
     head, [worker] = cluster["headGroupSpec"], cluster["workerGroupSpecs"]

@@ -1,0 +1,99 @@
+"""`dsde check-config`: a Serve config file checked without a cluster, each problem named by application and field."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from dsde_cli.main import main
+from dsde_core.errors import ConfigError
+from services.config import ServiceConfig
+from services.config_file import check_config_file
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy" / "config.yaml"
+
+
+def _write(tmp_path: Path, doc: Any) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(doc if isinstance(doc, str) else yaml.safe_dump(doc))
+    return path
+
+
+def _edited(edit: Any) -> dict[str, Any]:
+    doc = copy.deepcopy(yaml.safe_load(DEPLOY.read_text()))
+    edit(doc["applications"][0])
+    return doc
+
+
+def test_the_shipped_config_passes_and_says_what_it_serves(capsys: pytest.CaptureFixture[str]) -> None:
+    [app] = check_config_file(DEPLOY)
+    args = yaml.safe_load(DEPLOY.read_text())["applications"][0]["args"]
+    assert app.config == ServiceConfig.from_args(args) and app.policy is not None and app.policy.policy == "dsde"
+    assert main(["check-config", str(DEPLOY)]) == 0
+    out = capsys.readouterr().out
+    assert "application 'dsde' at /: serves 'qwen2.5-coder-1.5b-instruct'" in out and out.endswith(": ok\n")
+
+
+def test_the_deployments_user_config_is_the_one_that_applies(tmp_path: Path) -> None:
+    def edit(app: dict[str, Any]) -> None:
+        app["args"]["user_config"] = {"policy": "static:3"}
+        app["deployments"][0]["user_config"] = {"policy": "dsde-goodput", "max_sl": 8}
+
+    [app] = check_config_file(_write(tmp_path, _edited(edit)))
+    assert app.policy is not None and (app.policy.policy, app.policy.max_sl) == ("dsde-goodput", 8)
+
+
+@pytest.mark.parametrize(("edit", "says"), [
+    # the case this exists for: Serve meets it only in the replica's reconfigure, after loading the models
+    (lambda a: a["deployments"][0]["user_config"].update(policy="bogus"),
+     "application 'dsde': deployments[DSDEServer].user_config: unknown speculation policy 'bogus'"),
+    (lambda a: a["deployments"][0]["user_config"].update(params={"nope": 1}),
+     "deployments[DSDEServer].user_config: user_config: policy 'dsde' has no parameter(s) nope"),
+    (lambda a: a["deployments"][0].update(user_config="dsde"),
+     "Serve's schema: applications.0.deployments.0.user_config: Input should be a valid dictionary"),
+    (lambda a: a["args"].update(user_config="dsde"), "args.user_config: a mapping (policy, params, cap, max_sl)"),
+    (lambda a: a["args"].update(user_config={"policy": "static:x"}), "args.user_config: policy 'static'"),
+    (lambda a: a["args"].update(max_batch_size=0), "application 'dsde': args: max_batch_size must be in [1, 1024]"),
+    (lambda a: a["args"].update(device="cuda"), "args: device 'cuda' needs target_num_gpus > 0"),
+    (lambda a: a["args"].update(colour="blue"), "args: app args: unknown key(s) colour"),
+    (lambda a: a["deployments"][0].update(name="Server"), "no deployment named 'Server' in the application"),
+    (lambda a: a["deployments"][0].update(num_replicas="x"), "Serve's schema: applications.0.deployments.0: "),
+])
+def test_a_problem_is_an_error_naming_the_application_and_the_field(tmp_path: Path, edit: Any, says: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(tmp_path, _edited(edit))
+    with pytest.raises(ConfigError, match="^" + str(path)):
+        check_config_file(path)
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dsde: error: {path}: ") and says in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("applications: [\n", "not YAML at line 2, column 1"),
+    ("- a list\n", "not a Serve config file"),
+    ("proxy_location: EveryNode\n", "not a Serve config file"),
+])
+def test_a_file_that_is_no_serve_config_says_so(tmp_path: Path, text: str, says: str) -> None:
+    with pytest.raises(ConfigError, match=says):
+        check_config_file(_write(tmp_path, text))
+    with pytest.raises(ConfigError, match="No such file"):
+        check_config_file(tmp_path / "missing.yaml")
+
+
+def test_another_application_is_left_to_serve_and_a_model_not_here_is_a_note(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = _edited(lambda a: a["args"].update(target="/models/not-here"))
+    doc["applications"].append({"name": "other", "route_prefix": "/other", "import_path": "mypkg.app:build",
+                                "args": {"anything": 1}})
+    path = _write(tmp_path, doc)
+    dsde, other = check_config_file(path)
+    assert dsde.config is not None and other.config is None
+    assert main(["check-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "note: model '/models/not-here' is not on this machine" in out
+    assert "application 'other': not DSDE Serve (not checked beyond Serve's schema)" in out
