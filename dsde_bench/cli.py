@@ -72,11 +72,10 @@ def _positive(s: str) -> int:
     return n
 
 
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("grid (defaults: the small grid; --full: the whole grid; explicit flags override both)")
-    g.add_argument("--workloads", type=_nonblank, help=f"comma list of chat, code, math, summ, qa, mixed, or 'all' "
-                                       f"(small: {SMALL_WORKLOADS})")
+    g.add_argument("--workloads", type=_nonblank,
+                   help=f"comma list of chat, code, math, summ, qa, mixed, or 'all' (small: {SMALL_WORKLOADS})")
     g.add_argument("--policies", type=_nonblank,
                    help="comma list of policy specs (off, static:K, heuristic, adaedl, acceptance, dsde-nocap, dsde, "
                         "dsde-paper, dsde-goodput), or 'all'")
