@@ -21,24 +21,31 @@ event in the stream, a malformed chunk, or a stream that ends without `[DONE]`.
 Options (also LOCUST_* environment variables): --model (default: the first of GET /v1/models), --workloads
 (chat,code,math), --prompts-per-workload (8), --short-tokens (32), --long-tokens (256), --long-fraction (0.25),
 --max-prompt-chars (1500), --chat-fraction (0.5), --temperature (0), --api-key (default $DSDE_API_KEY: sent as a
-bearer token to a service started with a key).
+bearer token to a service started with a key). A bad option ends Locust before the run, in one line; a model list
+that does not answer stops the test within seconds.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import random
+import sys
 import time
 from typing import Any
 
+import gevent
 from locust import HttpUser, between, events, task
 from locust.env import Environment
 from locust.exception import StopUser
+from locust.stats import CSV_STATS_INTERVAL_SEC
 
 from dsde_bench.workloads import load_workload
+from dsde_core.errors import ConfigError, DSDEError
 
 _PROMPTS: list[str] = []
 _MODEL: list[str] = []
+_STOPPING: list[bool] = []  # a user found no model list: the test is ending
 
 
 @events.init_command_line_parser.add_listener
@@ -56,16 +63,39 @@ def _options(parser: Any) -> None:
                         help="sent as 'Authorization: Bearer KEY' (a service started with --api-key)")
 
 
-@events.test_start.add_listener
-def _load_prompts(environment: Environment, **_: Any) -> None:
-    opts = environment.parsed_options
+def _prompts(opts: Any) -> list[str]:
+    """The prompts the options ask for; ConfigError naming the option that cannot be honoured."""
+    for ok, problem in ((opts.prompts_per_workload >= 1, "--prompts-per-workload must be >= 1"),
+                        (opts.short_tokens >= 1 and opts.long_tokens >= 1, "--short-tokens and --long-tokens must be "
+                                                                            ">= 1"),
+                        (0 <= opts.long_fraction <= 1, "--long-fraction must be in [0, 1]"),
+                        (0 <= opts.chat_fraction <= 1, "--chat-fraction must be in [0, 1]"),
+                        (0 <= opts.temperature <= 2, "--temperature must be in [0, 2]")):
+        if not ok:
+            raise ConfigError(problem)
     prompts: list[str] = []
     for name in filter(None, (w.strip() for w in opts.workloads.split(","))):
         prompts += [p.text for p in load_workload(name, n=opts.prompts_per_workload, seed=0,
                                                   max_chars=opts.max_prompt_chars)]
     if not prompts:
-        raise RuntimeError(f"no prompts from workloads {opts.workloads!r}")
-    _PROMPTS[:] = prompts
+        raise ConfigError(f"no prompts from --workloads {opts.workloads!r}")
+    return prompts
+
+
+@events.init.add_listener
+def _check_options(environment: Environment, **_: Any) -> None:
+    """Bad options end the run before it starts, in one line (not a traceback and a run without prompts)."""
+    if environment.parsed_options is not None:
+        try:
+            _prompts(environment.parsed_options)
+        except DSDEError as e:
+            sys.exit(f"locustfile: error: {e}")
+
+
+@events.test_start.add_listener
+def _load_prompts(environment: Environment, **_: Any) -> None:
+    opts = environment.parsed_options
+    _PROMPTS[:] = _prompts(opts)  # again: the web UI may have changed the options
     _MODEL[:] = [opts.model] if opts.model else []
 
 
@@ -86,7 +116,14 @@ class OpenAIStreamingUser(HttpUser):
         if not _MODEL:
             with self.client.get("/v1/models", name="GET /v1/models", catch_response=True) as r:
                 if r.status_code != 200 or not r.json().get("data"):
+                    # HTTP 0: nothing answered at --host. No user can run: the test ends now, not at --run-time,
+                    # once the --csv writer (every CSV_STATS_INTERVAL_SEC) has written this failure
                     r.failure(f"/v1/models: HTTP {r.status_code}: {r.text[:200]}")
+                    if not _STOPPING:
+                        _STOPPING.append(True)
+                        logging.error("no model list at %s/v1/models (HTTP %s): stopping the test", self.host,
+                                      r.status_code)
+                        gevent.spawn_later(CSV_STATS_INTERVAL_SEC + 1, self.environment.runner.quit)
                     raise StopUser()
                 _MODEL[:] = [r.json()["data"][0]["id"]]
         self.rng = random.Random()

@@ -85,7 +85,21 @@ def test_the_key_goes_with_every_request(keyed: str, tmp_path: Path, how: str) -
 
 def test_without_the_key_the_run_stops_at_the_model_list(keyed: str, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "DSDE_API_KEY"}
-    stats = _locust(keyed, tmp_path / "without", env)
+    stats = _locust(keyed, tmp_path / "without", env, "--run-time", "300s")  # it must end long before (timeout 120)
     models = stats[("GET", "GET /v1/models")]
     assert int(models["Failure Count"]) == int(models["Request Count"]) > 0, models
     assert not any(name.endswith("(stream)") for _, name in stats), stats.keys()
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (("--workloads", "bogus"), "locustfile: error: unknown workload 'bogus'"),
+    (("--long-fraction", "2"), "locustfile: error: --long-fraction must be in [0, 1]"),
+    (("--short-tokens", "0"), "locustfile: error: --short-tokens and --long-tokens must be >= 1"),
+])
+def test_a_bad_option_ends_the_run_before_it_starts_in_one_line(keyed: str, tmp_path: Path, flags: tuple[str, ...],
+                                                                 says: str) -> None:
+    res = subprocess.run(locust_command(keyed, tmp_path / "bad", "--run-time", "300s", *flags), capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert res.returncode != 0 and says in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert not (tmp_path / "bad_stats.csv").exists() or all(
+        int(row["Request Count"]) == 0 for row in read_csv(tmp_path / "bad_stats.csv"))  # no run
