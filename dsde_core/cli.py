@@ -78,10 +78,10 @@ def _stats(res: GenerationResult, seconds: float) -> dict[str, Any]:
     }
 
 
-def _timed(llm: SpeculativeLLM, prompt: str, params: SamplingParams, policy: str, chat: bool
+def _timed(llm: SpeculativeLLM, prompt_ids: list[int], params: SamplingParams, policy: str
            ) -> tuple[GenerationResult, float]:
     t0 = time.perf_counter()
-    [res] = llm.generate([prompt], params, policy=policy, chat=chat)
+    [res] = llm.generate([prompt_ids], params, policy=policy)
     return res, time.perf_counter() - t0
 
 
@@ -92,12 +92,14 @@ def _generate(args: argparse.Namespace) -> int:
                             frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
     config = EngineConfig(max_batch_size=1, dtype=args.dtype, device=args.device, num_threads=args.threads)
     llm = SpeculativeLLM.load(draft=args.draft, target=args.target, config=config)
-    llm.generate([prompt := args.prompt], SamplingParams(max_tokens=2), policy="static:2")  # warm-up
-    res, secs = _timed(llm, prompt, params, args.policy, args.chat)
+    ids = llm.encode(args.prompt, args.chat)
+    llm.engine.validate(ids, params)  # the request itself, before the warm-up (whose max_tokens is not the user's)
+    llm.generate([ids], SamplingParams(max_tokens=min(2, params.max_tokens)), policy="static:2")  # warm-up
+    res, secs = _timed(llm, ids, params, args.policy)
     report: dict[str, Any] = {"text": res.text, "token_ids": res.token_ids, "policy": args.policy,
                               "stats": _stats(res, secs)}
     if args.compare:
-        base, base_secs = _timed(llm, prompt, params, "off", args.chat)
+        base, base_secs = _timed(llm, ids, params, "off")
         report["target_only"] = {"text": base.text, "token_ids": base.token_ids, "stats": _stats(base, base_secs)}
         report["speedup"] = report["stats"]["tokens_per_s"] / max(report["target_only"]["stats"]["tokens_per_s"],
                                                                  1e-9)

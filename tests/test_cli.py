@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -26,12 +27,14 @@ def _dsde(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     (["generate", "hi", "--repetition-penalty", "0"], "repetition_penalty"),
     (["generate", "hi", "--dtype", "float8"], "dtype"),
     (["generate", "hi", "--device", "cuda:99"], "device 'cuda:99': "),  # no CUDA here, or fewer GPUs: before loading
+    (["generate", "word " * 2100, "--max-tokens", "4"], "+ max_tokens (4) = "),  # the user's, not the warm-up's
     (["prepare", "no-such-model"], "no-such-model"),
 ])
 def test_bad_input_is_a_clear_error(args: list[str], message: str) -> None:
     res = _dsde(*args, timeout=300)
     assert res.returncode == 2, res.stderr
-    assert res.stderr.startswith("dsde: error:") and message in res.stderr, res.stderr
+    last = res.stderr.strip().splitlines()[-1]  # after transformers' progress bars where the models loaded
+    assert last.startswith("dsde: error:") and message in last, res.stderr
     assert "Traceback" not in res.stderr
 
 
@@ -65,8 +68,16 @@ def test_every_generate_flag_reaches_the_sampling_the_engine_or_the_output(monke
             calls["load"] = kw
             return cls()
 
-        def generate(self, prompts, params, policy, chat=False):
-            calls["generate"].append((prompts, params, policy, chat))
+        def encode(self, prompt, chat=False):
+            calls["encode"] = (prompt, chat)
+            return [5, 6]
+
+        @property
+        def engine(self):
+            return types.SimpleNamespace(validate=lambda ids, params: calls.update(validated=(ids, params)))
+
+        def generate(self, prompts, params, policy):
+            calls["generate"].append((prompts, params, policy))
             return [GenerationResult("out", [1, 2], 3, "length", RequestStats(steps=2))]
 
     monkeypatch.setattr(cli, "SpeculativeLLM", FakeLLM)
@@ -80,9 +91,9 @@ def test_every_generate_flag_reaches_the_sampling_the_engine_or_the_output(monke
     load = calls["load"]
     assert (load["draft"], load["target"]) == ("d", "t")
     assert (load["config"].dtype, load["config"].device, load["config"].num_threads) == ("float32", "cpu", 1)
-    _warm, (prompts, params, policy, chat), (_, base_params, base_policy, _) = calls["generate"]  # --compare: off too
-    assert prompts == ["hi"] and policy == "static:3" and chat is True and base_policy == "off"
-    assert base_params == params
+    _warm, (prompts, params, policy), (_, base_params, base_policy) = calls["generate"]  # --compare: off too
+    assert calls["encode"] == ("hi", True) and prompts == [[5, 6]] and policy == "static:3" and base_policy == "off"
+    assert base_params == params and calls["validated"] == ([5, 6], params)
     assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed) == (7, 0.5, 0.9, 5, 11)
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.25, 0.5, 1.1)
     report = json.loads(capsys.readouterr().out)  # --json
