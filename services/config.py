@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from dsde_core.config import DTYPES, EngineConfig, is_device
 from dsde_core.errors import ConfigError
@@ -36,14 +39,31 @@ def model_source_exists(source: str) -> bool:
 def _from_dict(cls: type, data: dict[str, Any] | None, what: str) -> Any:
     """cls(**data), with a clear error for unknown keys and for a value of the wrong shape."""
     data = dict(data or {})
-    known = [f.name for f in fields(cls) if f.init]
-    unknown = sorted(set(data) - set(known))
+    types = {f.name: str(f.type) for f in fields(cls) if f.init}
+    unknown = sorted(set(data) - set(types))
     if unknown:
-        raise ConfigError(f"{what}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(known)}")
+        raise ConfigError(f"{what}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(types)}")
     try:
-        return cls(**data)
+        return cls(**{name: _scalar(name, types[name], value, what) for name, value in data.items()})
     except TypeError as e:
         raise ConfigError(f"{what}: {e}") from None
+
+
+def _scalar(name: str, annotation: str, value: Any, what: str) -> Any:
+    """A string given to a field that takes none is read as YAML reads a scalar ('4', '0.5', 'true', 'null',
+    '{c: 0.5}'): `serve run services.app:build_app max_batch_size=4` passes every argument as a string."""
+    takes_str = re.search(r"\b(str|Any)\b", annotation.split("[")[0]) is not None
+    if not isinstance(value, str) or takes_str:
+        return value
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError:
+        parsed = value
+    if isinstance(parsed, bool) and value.strip().lower() not in ("true", "false"):
+        parsed = value  # YAML 1.1's yes/no/on/off: true and false only, as JSON and YAML 1.2
+    if isinstance(parsed, str):
+        raise ConfigError(f"{what}: {name} takes {annotation.replace(' | None', ' or null')}, got {value!r}")
+    return parsed
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,26 @@ def test_service_config_defaults_and_errors() -> None:
             ServiceConfig.from_args(bad)
 
 
+def test_serve_run_key_value_args_are_read_as_their_fields_types() -> None:
+    """`serve run services.app:build_app max_batch_size=4 ...` hands every argument over as a string (Ray's own
+    convert_args_to_dict below); a field that takes no string reads it as YAML reads a scalar. Before, any numeric
+    argument failed ("'<=' not supported between instances of 'int' and 'str'")."""
+    from ray.serve.scripts import convert_args_to_dict
+
+    args = convert_args_to_dict(("max_batch_size=4", "draft_num_gpus=0.5", "request_timeout_s=30", "draft=none",
+                                 "draft_window=null", "policy=static:3", "api_key=12345"))
+    assert set(map(type, args.values())) == {str}
+    cfg = ServiceConfig.from_args(args)
+    assert (cfg.max_batch_size, cfg.draft_num_gpus, cfg.request_timeout_s) == (4, 0.5, 30)
+    assert (cfg.draft, cfg.draft_window, cfg.policy, cfg.api_key) == (None, None, "static:3", "12345")  # str stays
+    live = PolicyConfig.from_dict({"policy": "dsde", "params": "{c: 0.5}", "cap": "false", "max_sl": "6"})
+    assert (live.params, live.cap, live.max_sl) == ({"c": 0.5}, False, 6)
+    for bad, says in ((("max_batch_size=many",), "app args: max_batch_size takes int, got 'many'"),
+                      (("request_timeout_s=soon",), "request_timeout_s takes float or null, got 'soon'")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            ServiceConfig.from_args(convert_args_to_dict(bad))
+
+
 def test_draft_window_reaches_the_engine_config_and_the_draft_host(save_tiny_model) -> None:
     """Off by default; an app arg draft_window reaches the ingress's engine (which prices the draft's prefill with it)
     and the DraftHost's worker (which windows its cache) alike."""
