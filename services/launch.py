@@ -253,25 +253,63 @@ def drain(timeout: float, app_name: str = APP_NAME) -> int:
 
 @dataclass
 class ServiceDiscovery:
-    """A Prometheus file_sd file naming the cluster's metrics endpoints as Ray's dashboard does (job "ray")."""
+    """Our group in a Prometheus file_sd file, naming the cluster's metrics endpoints as Ray's dashboard does (job
+    "ray"). Several `dsde serve` on one machine share Ray's file: each adds its own group and takes out only its own,
+    so that one stopping (or starting) does not hide the others from Prometheus."""
 
     path: Path
     targets: list[str]
-    text: str = ""
 
     @classmethod
     def write(cls, path: Path, targets: list[str]) -> ServiceDiscovery:
-        text = json.dumps([{"labels": {"job": "ray"}, "targets": targets}])
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)  # whole or not at all: Prometheus re-reads the file whenever it changes
-        return cls(path, targets, text)
+        """Add our group, keeping the groups of other clusters that still answer (a killed one's is dropped)."""
+        group = {"labels": {"job": "ray"}, "targets": targets}
+        with _locked(path):
+            others = [g for g in _groups(path) if g.get("targets") != targets and _answers(g.get("targets", []))]
+            _replace(path, [*others, group])
+        return cls(path, targets)
 
     def remove(self) -> None:
-        """Delete the file unless something else (a Ray dashboard of another cluster) has rewritten it since."""
-        with contextlib.suppress(OSError):
-            if self.path.read_text() == self.text:
-                self.path.unlink()
+        """Take our group out; the file goes when no group is left."""
+        with contextlib.suppress(OSError), _locked(self.path):
+            left = [g for g in _groups(self.path) if g.get("targets") != self.targets]
+            if left:
+                _replace(self.path, left)
+            else:
+                self.path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """One read-modify-write of the file at a time among the processes on this machine."""
+    import fcntl
+
+    with open(path.with_name(f".{path.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _groups(path: Path) -> list[dict[str, Any]]:
+    try:
+        groups = json.loads(path.read_text())
+    except (OSError, ValueError):  # absent, or not ours to understand: started afresh
+        return []
+    return [g for g in groups if isinstance(g, dict)] if isinstance(groups, list) else []
+
+
+def _replace(path: Path, groups: list[dict[str, Any]]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(groups))
+    os.replace(tmp, path)  # whole or not at all: Prometheus re-reads the file whenever it changes
+
+
+def _answers(targets: list[str], timeout: float = 0.5) -> bool:
+    """Whether any host:port of a group accepts a connection (a cluster that was killed left its group behind)."""
+    for target in targets:
+        host, _, port = str(target).rpartition(":")
+        with contextlib.suppress(OSError, ValueError), socket.create_connection((host, int(port)), timeout=timeout):
+            return True
+    return False
 
 
 def _sd_path(option: str, ray: Any) -> Path:

@@ -459,6 +459,35 @@ def test_merge_interleaves_the_choices_and_closing_it_closes_every_one() -> None
 
 
 # ---- the command --------------------------------------------------------------------------------------
+def test_two_dsde_serve_share_the_service_discovery_file(tmp_path: Path) -> None:
+    """Each adds its own group and takes out only its own: the second to start no longer hides the first from
+    Prometheus, nor does its stop leave the first undiscovered; a group whose endpoint no longer answers (a cluster
+    that was killed) is dropped at the next start."""
+    import json
+    import socket
+
+    from services.launch import ServiceDiscovery
+
+    path = tmp_path / "sd.json"
+    with socket.socket() as a, socket.socket() as b, socket.socket() as dead:
+        for s in (a, b, dead):
+            s.bind(("127.0.0.1", 0))
+        a.listen()
+        b.listen()
+        target = {name: f"127.0.0.1:{s.getsockname()[1]}" for name, s in (("a", a), ("b", b), ("dead", dead))}
+        path.write_text(json.dumps([{"labels": {"job": "ray"}, "targets": [target["dead"]]}]))  # a killed run's
+        first = ServiceDiscovery.write(path, [target["a"]])
+        second = ServiceDiscovery.write(path, [target["b"]])
+        groups = json.loads(path.read_text())
+        assert [g["targets"] for g in groups] == [[target["a"]], [target["b"]]]
+        assert all(g["labels"] == {"job": "ray"} for g in groups)
+        second.remove()
+        assert json.loads(path.read_text()) == [{"labels": {"job": "ray"}, "targets": [target["a"]]}]
+        first.remove()
+        assert not path.exists()
+        first.remove()  # twice: nothing to take out, no error
+
+
 def test_dsde_serve_rejects_bad_arguments_before_starting_ray(capsys: pytest.CaptureFixture[str]) -> None:
     import socket
 
