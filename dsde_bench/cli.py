@@ -517,7 +517,12 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"  errors: {res['errors'][:3]}", file=sys.stderr)
         runs.append(res)
     doc = {"kind": "serve", "runs": runs}
-    return _finish(args, doc, "serve", lambda d, o: [], serve_section({**doc, "meta": {}}))
+    _finish(args, doc, "serve", lambda d, o: [], serve_section({**doc, "meta": {}}))
+    if not any(r["metrics"]["completed"] for r in runs):  # the results hold the errors; the run measured nothing
+        first = next((e for r in runs for e in r["errors"]), "none recorded")
+        print(f"error: no request completed; the first error: {first}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _report(argv: list[str]) -> int:

@@ -129,9 +129,10 @@ async def stream_one(client: Any, cfg: ServeConfig, model: str, text: str, seed:
     return rec
 
 
-async def discover_model(client: Any, url: str) -> str:
-    """The server's first model: also the run's first contact, so a server that is not there, or that wants a key,
-    is a clear error before any request is timed."""
+async def discover_model(client: Any, url: str, model: str | None = None) -> str:
+    """The model to send: `model` if the server lists it, else (None) the server's first. Also the run's first
+    contact, so a server that is not there, that wants a key, or that serves no such model is a clear error before
+    any request is timed (a server without the model list, 404, is taken at its word for a given `model`)."""
     import httpx
 
     where = url.rstrip("/") + "/v1/models"
@@ -141,12 +142,16 @@ async def discover_model(client: Any, url: str) -> str:
         raise ConfigError(f"cannot reach {url} ({type(e).__name__}: {e}); is the server running?") from None
     if resp.status_code == 401:
         raise ConfigError(f"{where} answered 401: the server wants an API key; pass --api-key or set DSDE_API_KEY")
+    if resp.status_code == 404 and model is not None:
+        return model
     if resp.status_code != 200:
         raise ConfigError(f"{where} answered {resp.status_code}: {resp.text[:200]}")
-    data = resp.json().get("data") or []
-    if not data:
+    ids = [m["id"] for m in resp.json().get("data") or []]
+    if model is None and not ids:
         raise ConfigError(f"{where} lists no model; pass --model")
-    return data[0]["id"]
+    if model is not None and ids and model not in ids:
+        raise ConfigError(f"--model {model!r}: the server serves {', '.join(map(repr, ids))} ({where})")
+    return model or ids[0]
 
 
 async def run_serve(prompts: Sequence[Prompt], cfg: ServeConfig, transport: Any = None) -> dict[str, Any]:
@@ -156,7 +161,7 @@ async def run_serve(prompts: Sequence[Prompt], cfg: ServeConfig, transport: Any 
 
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     async with httpx.AsyncClient(transport=transport, timeout=cfg.timeout_s, headers=headers) as client:
-        model = cfg.model or await discover_model(client, cfg.url)
+        model = await discover_model(client, cfg.url, cfg.model)
         sem = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else None
         offsets = arrival_times(len(prompts), cfg.request_rate, cfg.seed)
         t0 = time.perf_counter()

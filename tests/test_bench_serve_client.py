@@ -75,7 +75,7 @@ def test_failed_requests_are_counted_not_raised() -> None:
 
 
 def test_without_usage_chunks_are_counted() -> None:
-    cfg = ServeConfig(url="http://fake:8000", model="m")
+    cfg = ServeConfig(url="http://fake:8000", model="fake-model")
     res = run_serve_sync(PROMPTS[:2], cfg, transport=fake_server([], usage=False))
     assert res["metrics"]["total_output_tokens"] == 6 and "content chunks" in res["token_counts"]
 
@@ -121,6 +121,41 @@ def test_an_api_key_goes_as_a_bearer_token_and_never_into_the_results() -> None:
     assert "s3cret" not in json.dumps(res) and "s3cret" not in repr(cfg)
     with pytest.raises(ConfigError, match="answered 401: the server wants an API key; pass --api-key"):
         run_serve_sync(PROMPTS[:1], ServeConfig(url="http://fake:8000"), transport=fake_server([], key="s3cret"))
+
+
+def test_a_model_the_server_does_not_serve_is_a_clear_error_before_any_request() -> None:
+    seen: list[dict] = []
+    with pytest.raises(ConfigError, match=r"--model 'nope': the server serves 'fake-model' \(http://fake:8000/v1/"):
+        run_serve_sync(PROMPTS[:2], ServeConfig(url="http://fake:8000", model="nope"), transport=fake_server(seen))
+    assert seen == []  # nothing sent
+    res = run_serve_sync(PROMPTS[:1], ServeConfig(url="http://fake:8000", model="fake-model"),
+                         transport=fake_server(seen))
+    assert res["model"] == "fake-model" and res["metrics"]["completed"] == 1
+
+    def no_model_list(request: httpx.Request) -> httpx.Response:  # a server without /v1/models takes --model as given
+        if request.url.path == "/v1/models":
+            return httpx.Response(404, json={"error": {"message": "not found"}})
+        return fake_server(seen).handle_request(request)
+
+    res = run_serve_sync(PROMPTS[:1], ServeConfig(url="http://fake:8000", model="mine"),
+                         transport=httpx.MockTransport(no_model_list))
+    assert res["model"] == "mine" and res["metrics"]["completed"] == 1
+
+
+def test_a_run_where_no_request_completed_exits_non_zero(tmp_path, capsys, monkeypatch) -> None:
+    from dsde_bench import cli, serve_client
+
+    real = serve_client.run_serve_sync
+
+    def failing(prompts, cfg, transport=None):
+        return real(prompts, cfg, transport=fake_server([], fail_on=" "))  # every prompt has a space: all 400
+
+    monkeypatch.setattr(serve_client, "run_serve_sync", failing)
+    rc = cli.main(["--url", "http://fake:8000", "--num-prompts", "1", "--workloads", "code", "--out",
+                   str(tmp_path / "s.json"), "--no-report"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "error: no request completed; the first error: HTTP 400" in err, err
+    assert json.loads((tmp_path / "s.json").read_text())["runs"][0]["errors"]  # the errors are kept
 
 
 def test_a_server_that_is_not_there_is_a_clear_error(tmp_path, capsys) -> None:
