@@ -275,7 +275,9 @@ def _check_writable(args: argparse.Namespace, name: str) -> None:
     """Before a run that may take hours: the folders its files go to exist (or can be made) and take a file."""
     out = _out(args, name)
     page = _page(args, out)
-    folders = [("--results-dir", Path(args.results_dir))] + ([("--out", out.parent)] if args.out else [])
+    writes_results = not args.out or args.simulate  # its JSON, or the simulator's measured costs (costs.json)
+    folders = ([("--results-dir", Path(args.results_dir))] if writes_results else []) + \
+        ([("--out", out.parent)] if args.out else [])
     for flag, folder in folders + ([("--benchmarks-md", page.parent)] if page else []):
         try:
             folder.mkdir(parents=True, exist_ok=True)

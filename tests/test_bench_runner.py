@@ -363,6 +363,13 @@ def test_only_a_run_into_the_published_results_regenerates_the_page(tmp_path, mo
         assert page.read_text() == "published\n", flags
         assert "BENCHMARKS.md left as it is: a scratch run" in capsys.readouterr().out
     assert (tmp_path / "scratch" / "x.json").exists() and (tmp_path / "other" / "bench.json").exists()
+    elsewhere = tmp_path / "elsewhere"  # a scratch run from a folder without results/ makes none there
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert cli.main([*small, "--out", str(tmp_path / "scratch" / "y.json")]) == 0
+    assert not any(elsewhere.iterdir())
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
     (tmp_path / "a-file").write_text("")
     for flags, says in ((["--out", str(tmp_path / "a-file" / "x.json")], "--out: cannot write to"),
                         (["--results-dir", str(tmp_path / "a-file")], "--results-dir: cannot write to"),
