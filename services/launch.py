@@ -60,10 +60,9 @@ class LocalServe:
         if self.num_cpus is not None and self.num_cpus < needs:  # the actors would wait for CPUs forever
             raise ConfigError(f"--num-cpus {self.num_cpus}: the model actors need {needs:g} of the cluster's "
                               f"logical CPUs")
-        gpus = cfg.draft_num_gpus * (cfg.draft is not None) + cfg.target_num_gpus
-        if gpus > torch.cuda.device_count():  # as above, for GPUs; torch's count: the actors' torch must see them
-            raise ConfigError(f"--num-gpus: the model actors need {gpus:g} GPUs, and torch sees "
-                              f"{torch.cuda.device_count()} on this machine")
+        gpus, seen = cfg.draft_num_gpus * (cfg.draft is not None) + cfg.target_num_gpus, torch.cuda.device_count()
+        if gpus > seen:  # as above, for GPUs; torch's count: the actors' torch must see them
+            raise ConfigError(f"--num-gpus: the model actors need {gpus:g} GPUs, and torch sees {seen} on this machine")
         if self.worker_niceness is not None and not -20 <= self.worker_niceness <= 19:
             raise ConfigError(f"--worker-niceness must be a nice level in [-20, 19], got {self.worker_niceness}")
         ports = [(name, port) for name, port in (("--port", self.port), ("--metrics-port", self.metrics_port))
@@ -140,19 +139,25 @@ def cluster_gone(wait_s: float = 0.0) -> bool:
     import ray
 
     try:
-        host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+        gcs = ray.get_runtime_context().gcs_address
     except Exception:  # noqa: BLE001 - no runtime context: this process is no longer connected to a cluster
         return True
     deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            with socket.create_connection((host, int(port)), timeout=1):
-                pass
-        except OSError:
-            return True
+    while _accepts(gcs, timeout=1):
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.1)
+    return True
+
+
+def _accepts(address: str, timeout: float) -> bool:
+    """Whether host:port takes a TCP connection within `timeout` seconds."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def serve_forever(opts: LocalServe, stop: threading.Event | None = None, log: Any = print) -> int:
@@ -265,7 +270,9 @@ class ServiceDiscovery:
         """Add our group, keeping the groups of other clusters that still answer (a killed one's is dropped)."""
         group = {"labels": {"job": "ray"}, "targets": targets}
         with _locked(path):
-            others = [g for g in _groups(path) if g.get("targets") != targets and _answers(g.get("targets", []))]
+            # a group none of whose endpoints answers was left by a cluster that was killed
+            others = [g for g in _groups(path) if g.get("targets") != targets
+                      and any(_accepts(str(t), timeout=0.5) for t in g.get("targets", []))]
             _replace(path, [*others, group])
         return cls(path, targets)
 
@@ -303,13 +310,6 @@ def _replace(path: Path, groups: list[dict[str, Any]]) -> None:
     os.replace(tmp, path)  # whole or not at all: Prometheus re-reads the file whenever it changes
 
 
-def _answers(targets: list[str], timeout: float = 0.5) -> bool:
-    """Whether any host:port of a group accepts a connection (a cluster that was killed left its group behind)."""
-    for target in targets:
-        host, _, port = str(target).rpartition(":")
-        with contextlib.suppress(OSError, ValueError), socket.create_connection((host, int(port)), timeout=timeout):
-            return True
-    return False
 
 
 def _sd_path(option: str, ray: Any) -> Path:
