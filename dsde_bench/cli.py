@@ -404,8 +404,9 @@ def _simulate(args: argparse.Namespace) -> int:
         if not eq or not name.strip() or not path.strip():
             raise ConfigError(f"--costs takes NAME=FILE, got {item!r}")
         files[name.strip()] = load_costs_file(name.strip(), path.strip())
+    bases = {p.split(":")[0] for p in args.profiles}  # the profiles' names, without their overrides
     bench = Path(args.results_dir) / "bench.json"
-    if any(p.split(":")[0] == "engine" for p in args.profiles) and not bench.exists():
+    if "engine" in bases and not bench.exists():
         raise ConfigError(f"cost profile 'engine' fits the step timings of {bench}: run `dsde bench` first")
     stand_in = builtin_profile("cpu")  # for 'measured' and 'engine', which exist only later
     for spec in args.profiles:
@@ -458,7 +459,7 @@ def _simulate(args: argparse.Namespace) -> int:
             warm[w] = trace_of(w, others, args.seed + WARM_SEED_OFFSET, "warm-up trace")
 
     measured = None
-    if any(p.split(":")[0] == "measured" for p in args.profiles):
+    if "measured" in bases:
         cpath = Path(args.results_dir) / ("costs-tiny.json" if args.tiny else "costs.json")
         cached = json.loads(cpath.read_text()) if cpath.exists() and not args.remeasure else None
         if cached and cached.get("backend") == desc and cached["model"].get("table"):
@@ -471,7 +472,7 @@ def _simulate(args: argparse.Namespace) -> int:
             cpath.write_text(json.dumps(costs, indent=1))
             print(f"measured step costs -> {cpath}", file=sys.stderr)
     engine_model = None
-    if any(p.split(":")[0] == "engine" for p in args.profiles):
+    if "engine" in bases:
         rows = [r for c in json.loads(bench.read_text()).get("steps", []) for r in c["steps"]]
         engine_model = fit_engine_steps(rows, beyond=measured)
     profiles = [parse_profile(p, measured, engine_model, files) for p in args.profiles]
