@@ -1,6 +1,7 @@
 """The ingress: a FastAPI app on Ray Serve that owns the engine and speaks the OpenAI API.
 
-    POST /v1/completions, POST /v1/chat/completions (stream: true -> server-sent events), GET /v1/models, GET /health
+    POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (stream: true -> server-sent events),
+    GET /v1/models, GET /health
 
 One replica = one engine: dsde_core's Engine, unchanged, over proxies to three actors it creates (draft host,
 target host, controller; services.placement), stepped by dsde_core's AsyncEngine in a thread. Batching: every
@@ -32,6 +33,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -57,12 +59,14 @@ from services.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
     describe_invalid,
     error_body,
 )
 from services.proxies import ControllerProxy, DraftProxy, TargetProxy
 from services.responses import DONE, Reply, sse
+from services.responses_api import ResponsesReply
 
 log = logging.getLogger("ray.serve")
 
@@ -216,7 +220,7 @@ def _bound_ints(schema: dict[str, Any], lo: int, hi: int) -> None:
         _bound_ints(schema["items"], lo, hi)
 
 
-_GENERATE = ("CompletionRequest", "ChatCompletionRequest")  # the request bodies that generate
+_GENERATE = ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest")  # the request bodies that generate
 
 
 def _openapi() -> dict[str, Any]:
@@ -235,7 +239,7 @@ def _openapi() -> dict[str, Any]:
         bounds = {}  # (schema, property) -> (lo, hi) of its integers
         if seq:  # a prompt holds at least one token
             bounds |= {(m, f): (0, seq - 1) for m in _GENERATE for f in ("max_tokens", "max_completion_tokens",
-                                                                          "min_tokens")}
+                                                                          "max_output_tokens", "min_tokens")}
         if vocab:
             bounds |= {("CompletionRequest", "prompt"): (0, vocab - 1), ("DetokenizeRequest", "tokens"): (0, vocab - 1)}
             bounds |= {(m, "stop_token_ids"): (0, vocab - 1) for m in _GENERATE}
@@ -511,6 +515,13 @@ class DSDEServer:
         self._check_model(body.model)
         return await self._generate(body, [self._chat_ids(body.chat(), **body.template_options())], chat=True)
 
+    @app.post("/v1/responses")
+    async def responses(self, body: ResponsesRequest) -> Any:
+        """OpenAI's Responses API, stateless (services.responses_api): the input as chat messages, one output."""
+        self._check_model(body.model)
+        return await self._generate(body, [self._chat_ids(body.chat(), add_generation_prompt=True)], chat=True,
+                                    settings=body.settings())
+
     def _chat_ids(self, messages: list[dict[str, str]], **options: bool) -> list[int]:
         """The messages' token ids through the chat template (which holds its own special tokens); 400 if it fails."""
         try:
@@ -555,17 +566,20 @@ class DSDEServer:
                                 f"{self.cfg.max_queue} waiting requests); retry after {self.cfg.retry_after_s}s",
                            type_="rate_limit_error", headers=retry)
 
-    async def _generate(self, body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], chat: bool,
-                        echo: list[str] | list[list[int]] | None = None) -> Any:
+    async def _generate(self, body: CompletionRequest | ChatCompletionRequest | ResponsesRequest,
+                        prompts: list[list[int]], chat: bool, echo: list[str] | list[list[int]] | None = None,
+                        settings: dict[str, Any] | None = None) -> Any:
         """n choices per prompt, each its own engine request: choice k is prompt k // n's, with seed + k % n. `echo`:
-        the prompts as sent, which their choices' texts start with (token ids decoded once they are checked)."""
+        the prompts as sent, which their choices' texts start with (token ids decoded once they are checked).
+        `settings`: a Responses API request's (ResponsesRequest.settings), answered as a response object."""
         params = [self._params(body, ids, f"prompt {i}: " if len(prompts) > 1 else "") for i, ids in enumerate(prompts)]
         echoes = None if echo is None else [p if isinstance(p, str) else self.tokenizer.decode(ids)
                                             for p, ids in zip(echo, prompts, strict=True)]
         n = body.n
         self._admit(len(prompts) * n)
         asks = params[0].prompt_logprobs is not None
-        reply = Reply(self.model, chat, sum(map(len, prompts)), n,
+        make = Reply if settings is None else partial(ResponsesReply, settings=settings)
+        reply = make(self.model, chat, sum(map(len, prompts)), n,
                       decode=None if params[0].logprobs is None else self._token_text, prompts=len(prompts),
                       echoes=echoes, prompt_ids=prompts if asks else None, raw=self._token_bytes,
                       continuous_usage=body.continuous_usage)
@@ -576,8 +590,9 @@ class DSDEServer:
         for k in range(len(reply.choices)):
             self.metrics.on_admit(len(prompts[k // n]))
         if body.stream:
-            return _Stream(self._stream(merge(outputs), reply, body.include_usage),
-                           on_close=lambda: self._cancel_all(reply))
+            events = self._events(merge(outputs), reply) if isinstance(reply, ResponsesReply) else \
+                self._stream(merge(outputs), reply, body.include_usage)
+            return _Stream(events, on_close=lambda: self._cancel_all(reply))
         try:
             finals = await asyncio.gather(*(_collect(o) for o in outputs))
         finally:  # a choice whose task never started (the client left at once) is cancelled here
@@ -631,3 +646,20 @@ class DSDEServer:
             if include_usage:
                 yield sse(reply.usage_chunk())
             yield DONE
+
+    async def _events(self, outputs: AsyncIterator[tuple[int, RequestOutput]], reply: ResponsesReply
+                      ) -> AsyncIterator[str]:
+        """A Responses API stream: its opening events, a delta per piece of text, its closing (or failing) events."""
+        async with contextlib.aclosing(outputs):
+            for opening in reply.opening():
+                yield opening
+            async for _, out in outputs:
+                if out.finish_reason == "error":
+                    for failing in reply.failed(out.error or "generation failed", out.error_type or "server_error"):
+                        yield failing
+                    return
+                if out.text:
+                    yield reply.delta(out.text)
+                if out.finished:
+                    for closing in reply.closing(out):
+                        yield closing

@@ -10,12 +10,14 @@ Log-probabilities: completions' `logprobs` (0-20 alternatives; with `echo`, the 
 OpenAI's `presence_penalty` and `frequency_penalty` (-2 to 2), and vLLM's `repetition_penalty` (0.01 to 10; 1 is
 none). `logit_bias` (OpenAI's: token id -> bias in [-100, 100], at most 1024 ids). vLLM's `min_p`,
 `min_tokens`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output` and `skip_special_tokens`.
+The Responses API's body (ResponsesRequest) takes chat's sampling fields; what it asks for that needs stored state,
+tools or reasoning is refused the same way, and its schema states the values of those fields that pass.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -23,6 +25,7 @@ from pydantic import (
     Field,
     ValidationError,
     ValidatorFunctionWrapHandler,
+    WithJsonSchema,
     WrapValidator,
     field_validator,
     model_validator,
@@ -245,8 +248,16 @@ class ContentPart(BaseModel):
     text: str
 
 
+class InputTextPart(BaseModel):
+    """The Responses API's text part: the user's `input_text`, or an earlier answer's `output_text` sent back."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    TEXT_PARTS: ClassVar[tuple[str, ...]] = ("text",)  # the content part types this message takes
 
     role: Literal["system", "developer", "user", "assistant"]
     content: Annotated[str | list[ContentPart] | None, one_of("a string or a list of text parts")] = None
@@ -256,7 +267,7 @@ class ChatMessage(BaseModel):
     def _text_parts(cls, v: Any) -> Any:
         for part in v if isinstance(v, list) else ():
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind is not None and kind != "text":
+            if kind is not None and kind not in cls.TEXT_PARTS:
                 raise ValueError(f"content parts of type {kind!r} are not supported: this model takes text only")
         return v
 
@@ -314,6 +325,125 @@ class ChatCompletionRequest(_Common):
 
     def chat(self) -> list[dict[str, str]]:
         return [m.as_dict() for m in self.messages]
+
+
+class InputMessage(ChatMessage):
+    """An item of the Responses API's `input`: a message (an earlier response's output message, sent back, is one)."""
+
+    TEXT_PARTS: ClassVar[tuple[str, ...]] = ("input_text", "output_text")
+
+    type: Literal["message"] = "message"
+    content: Annotated[str | list[InputTextPart], one_of("a string or a list of input_text parts")]
+
+
+def only(schema: dict[str, Any]) -> WithJsonSchema:
+    """The schema of the values a field accepts, where its others are refused by a validator with a message of its
+    own: clients (and schemathesis) read what is accepted instead of meeting it as a 400."""
+    return WithJsonSchema(schema)
+
+
+NULL = {"type": "null"}
+INCLUDE_LOGPROBS = "message.output_text.logprobs"  # the Responses API's `include` entry that asks for them
+STATEFUL = ("previous_response_id", "conversation", "prompt")  # fields that name something stored on the server
+
+
+class ResponsesRequest(_Common):
+    """OpenAI's Responses API (POST /v1/responses), stateless: `instructions` (a system message) then `input` (a
+    string, one user message, or a list of messages) through the chat template, answered by one output message.
+    Nothing is stored, so nothing can be named by id (`previous_response_id`, `conversation`, a stored `prompt`: 400;
+    send the earlier turns in `input`, as with `store: false` at OpenAI). The sampling fields are chat's (vLLM's
+    extras included) but `n` (one output); `max_output_tokens` bounds the output. Log-probabilities where `include`
+    holds "message.output_text.logprobs" or `top_logprobs` is given. Tools, a text format other than text, reasoning
+    and background runs are a 400, never ignored."""
+
+    input: Annotated[str | list[InputMessage], one_of("a string or a list of messages {role, content}")]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    include: list[str] | None = None  # INCLUDE_LOGPROBS; the others name items (tool calls, images) never made here
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)  # returned as given
+    store: bool | None = None  # nothing is stored here: the response says store false
+    user: str | None = None  # the rest of these are accepted and change nothing in the answer
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    # the rest are refused (_unsupported) but for the values their schemas state
+    n: Annotated[int, only({"type": "integer", "minimum": 1, "maximum": 1})] = 1  # one output
+    tool_choice: Annotated[str | dict[str, Any] | None, only({"enum": ["auto", "none", None]})] = None  # no tools
+    tools: Annotated[list[Any] | None, only({"anyOf": [{"type": "array", "maxItems": 0}, NULL]})] = None
+    text: Annotated[dict[str, Any] | None, only({"anyOf": [{"type": "object", "properties": {"format": {
+        "anyOf": [{"type": "object", "properties": {"type": {"const": "text"}}}, NULL]}}}, NULL]})] = None
+    reasoning: Annotated[dict[str, Any] | None, only({"anyOf": [  # this model does not reason
+        {"type": "object", "additionalProperties": NULL}, NULL]})] = None
+    truncation: Literal["disabled"] | None = None  # "auto" (dropping input to fit the context) is not done
+    previous_response_id: Annotated[str | None, only(NULL)] = None  # STATEFUL
+    conversation: Annotated[Any, only(NULL)] = None
+    prompt: Annotated[Any, only(NULL)] = None
+    background: Annotated[bool | None, only({"enum": [False, None]})] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_items(cls, data: Any) -> Any:
+        """An input item other than a message, or a part other than text, named (the union's one error would not)."""
+        items = data.get("input") if isinstance(data, dict) else None
+        for i, item in enumerate(items if isinstance(items, list) else ()):
+            kind = item.get("type", "message") if isinstance(item, dict) else "message"
+            if kind != "message":
+                raise ValueError(f"input {i}: items of type {kind!r} are not supported (messages of text only)")
+            content = item.get("content") if isinstance(item, dict) else None
+            for part in content if isinstance(content, list) else ():
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind is not None and kind not in InputMessage.TEXT_PARTS:
+                    raise ValueError(f"input {i}: content parts of type {kind!r} are not supported: this model takes "
+                                     "text only")
+        return data
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> ResponsesRequest:
+        if isinstance(self.input, list) and not self.input:
+            raise ValueError("input holds no messages")
+        if self.n != 1:
+            raise ValueError(f"n: a response has one output, got n={self.n} (/v1/chat/completions takes n)")
+        if self.tools:
+            raise ValueError("tools (function calling) are not supported")
+        if self.tool_choice not in (None, "auto", "none"):
+            raise ValueError(f"tool_choice {self.tool_choice!r} needs tools, which are not supported")
+        fmt = (self.text or {}).get("format")
+        kind = fmt.get("type", "text") if isinstance(fmt, dict) else fmt
+        if fmt is not None and kind != "text":
+            raise ValueError(f"text.format {kind!r} is not supported (only text)")
+        if any(v is not None for v in (self.reasoning or {}).values()):
+            raise ValueError("reasoning is not supported: this model does not reason")
+        if stateful := [f for f in STATEFUL if getattr(self, f) is not None]:
+            raise ValueError(f"{', '.join(stateful)} is not supported: this server stores no responses, conversations "
+                             "or prompts (send the earlier turns in input)")
+        if self.background:
+            raise ValueError("background is not supported: a response is answered while the request waits")
+        return self
+
+    @model_validator(mode="after")
+    def _max_tokens_alias(self) -> ResponsesRequest:
+        if self.max_tokens is None and self.max_output_tokens is not None:
+            self.max_tokens = self.max_output_tokens
+        return self
+
+    def logprob_count(self) -> int | None:
+        asked = INCLUDE_LOGPROBS in (self.include or ()) or self.top_logprobs is not None
+        return (self.top_logprobs or 0) if asked else None
+
+    def chat(self) -> list[dict[str, str]]:
+        turns = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else \
+            [m.as_dict() for m in self.input]
+        return ([{"role": "system", "content": self.instructions}] if self.instructions is not None else []) + turns
+
+    def settings(self) -> dict[str, Any]:
+        """The request's fields that the response object repeats, as this server applied them."""
+        return {"instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
+                "metadata": self.metadata or {}, "parallel_tool_calls": self.parallel_tool_calls is not False,
+                "previous_response_id": None, "reasoning": None, "store": False, "temperature": self.temperature,
+                "text": {"format": {"type": "text"}}, "tool_choice": self.tool_choice or "auto", "tools": [],
+                "top_logprobs": self.top_logprobs, "top_p": self.top_p, "truncation": "disabled", "user": self.user}
 
 
 class TokenizeRequest(BaseModel):

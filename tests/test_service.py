@@ -380,6 +380,45 @@ def test_chat_continues_the_assistants_last_message(tiny_app: App, reference_llm
     assert res.choices[0].message.content == ref.text and res.usage.prompt_tokens == len(ids)
 
 
+def test_responses_api_through_the_openai_client(tiny_app: App, reference_llm: SpeculativeLLM) -> None:
+    """client.responses.create, plain and streamed: the target's chat answer at temperature 0; instructions are the
+    system message chat's endpoint would take; an earlier response's output sent back as input continues it."""
+    client, prompt = tiny_app.client(), "Write a haiku about the sea."
+    expected = _reference(reference_llm, prompt, 20, chat=True)
+    res = client.responses.create(model=MODEL, input=prompt, max_output_tokens=20, temperature=0)
+    assert res.output_text == expected and res.object == "response" and res.id.startswith("resp_")
+    assert res.status == ("incomplete" if res.usage.output_tokens == 20 else "completed")
+    assert res.usage.input_tokens == len(reference_llm.encode(prompt, chat=True))
+    assert res.model_extra["speculation"]["steps"] > 0
+
+    events = list(client.responses.create(model=MODEL, input=prompt, max_output_tokens=20, temperature=0,
+                                          stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:4]] == ["response.created", "response.in_progress", "response.output_item.added",
+                                            "response.content_part.added"]
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == expected and len(deltas) > 1  # streamed, not one blob
+    assert events[-1].type == f"response.{res.status}" and events[-1].response.output_text == expected
+
+    system = "Answer in French."
+    answer = client.responses.create(model=MODEL, instructions=system, input=prompt, max_output_tokens=12,
+                                     temperature=0, include=["message.output_text.logprobs"], top_logprobs=2)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": system},
+                                                                 {"role": "user", "content": prompt}],
+                                          max_tokens=12, temperature=0, logprobs=True, top_logprobs=2)
+    assert answer.output_text == chat.choices[0].message.content and answer.instructions == system
+    logprobs = answer.output[0].content[0].logprobs
+    assert [e.token for e in logprobs] == [e.token for e in chat.choices[0].logprobs.content]
+    assert [e.logprob for e in logprobs] == pytest.approx([e.logprob for e in chat.choices[0].logprobs.content])
+    follow_up = [{"role": "user", "content": prompt}, *[item.model_dump() for item in res.output],
+                 {"role": "user", "content": "Another one."}]
+    again = client.responses.create(model=MODEL, input=follow_up, max_output_tokens=8, temperature=0)
+    turns = [{"role": "user", "content": prompt}, {"role": "assistant", "content": expected},
+             {"role": "user", "content": "Another one."}]
+    same = client.chat.completions.create(model=MODEL, messages=turns, max_tokens=8, temperature=0)
+    assert again.output_text == same.choices[0].message.content
+
+
 def test_raw_sse_framing(tiny_app: App) -> None:
     import httpx
 
@@ -525,6 +564,13 @@ BAD_REQUESTS = [
     ("chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user"}], "max_tokens": 2000}, 400, "2000"),
     ("chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, 404, "gpt-4"),
+    ("responses", {"model": "gpt-4", "input": "x"}, 404, "gpt-4"),
+    ("responses", {"model": MODEL}, 400, "input"),
+    ("responses", {"model": MODEL, "input": "x", "max_output_tokens": 2000}, 400, "2000"),
+    ("responses", {"model": MODEL, "input": "x", "previous_response_id": "resp_1"}, 400, "previous_response_id"),
+    ("responses", {"model": MODEL, "input": "x", "tools": [{"type": "function", "name": "f"}]}, 400, "tools"),
+    ("responses", {"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_image"}]}]}, 400,
+     "input_image"),
 ]
 
 
