@@ -124,8 +124,9 @@ class Engine:
             self.waiting.append(req)
         return req
 
-    def validate(self, prompt: list[int], params: SamplingParams) -> None:
-        """ConfigError unless add_request would accept this prompt (a server checks before it starts a stream)."""
+    def validate(self, prompt: list[int], params: SamplingParams, bound: str = "max_tokens") -> None:
+        """ConfigError unless add_request would accept this prompt (a server checks before it starts a stream).
+        `bound`: the caller's name for max_tokens, which an error names (an API field, a CLI flag)."""
         if not prompt:
             raise ConfigError("the prompt is empty: give at least one token")
         self.check_ids(prompt, "prompt token ids")
@@ -134,7 +135,7 @@ class Engine:
         need = len(prompt) + params.max_tokens
         if need > self.config.max_seq_len:
             raise ConfigError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {need} exceeds the "
+                f"prompt ({len(prompt)} tokens) + {bound} ({params.max_tokens}) = {need} exceeds the "
                 f"context window of {self.config.max_seq_len} tokens"
             )
 

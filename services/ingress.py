@@ -522,6 +522,12 @@ class DSDEServer:
         return await self._generate(body, [self._chat_ids(body.chat(), add_generation_prompt=True)], chat=True,
                                     settings=body.settings())
 
+    @app.api_route("/v1/responses/{response_id:path}", methods=["GET", "POST", "DELETE"], include_in_schema=False)
+    async def stored_response(self, response_id: str) -> None:
+        """A stored response's routes (retrieve, its input items, cancel, delete): there are none to find."""
+        raise APIError(404, f"no response {response_id.split('/')[0]!r}: this server stores no responses (each is "
+                            "answered statelessly, as with store false)", "response_id", "not_found_error")
+
     def _chat_ids(self, messages: list[dict[str, str]], **options: bool) -> list[int]:
         """The messages' token ids through the chat template (which holds its own special tokens); 400 if it fails."""
         try:
@@ -545,9 +551,9 @@ class DSDEServer:
                                 f"{self.cfg.max_seq_len} tokens", "messages")
         try:
             params = body.sampling(body.max_tokens or room)
-            self.engine.validate(ids, params)  # empty prompt, token ids, prompt + max_tokens > context window
+            self.engine.validate(ids, params, body.tokens_field)  # empty prompt, ids, prompt + bound > context
         except ConfigError as e:
-            raise APIError(400, which + str(e), "max_tokens" if "context window" in str(e) else None) from None
+            raise APIError(400, which + str(e), body.tokens_field if "context window" in str(e) else None) from None
         return params
 
     def _admit(self, n: int = 1) -> None:

@@ -128,6 +128,7 @@ class StreamOptions(BaseModel):
 
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    TOKENS_ALIAS: ClassVar[str | None] = None  # the endpoint's own name for max_tokens, which it also takes
 
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
@@ -166,6 +167,19 @@ class _Common(BaseModel):
             if ignored:  # a client that misspells a field learns it from the log, as vLLM's do
                 log.warning("The request's fields %s are not known and were ignored", ", ".join(ignored))
         return data
+
+    @model_validator(mode="after")
+    def _max_tokens_alias(self) -> _Common:
+        alias = getattr(self, self.TOKENS_ALIAS) if self.TOKENS_ALIAS else None
+        if self.max_tokens is None and alias is not None:
+            self.max_tokens = alias
+        return self
+
+    @property
+    def tokens_field(self) -> str:
+        """The field that gave the output's token bound, as the request named it (an error names that one)."""
+        alias = getattr(self, self.TOKENS_ALIAS) if self.TOKENS_ALIAS else None
+        return self.TOKENS_ALIAS if alias is not None and alias == self.max_tokens else "max_tokens"
 
     @field_validator("stop")
     @classmethod
@@ -282,6 +296,8 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
+    TOKENS_ALIAS: ClassVar[str | None] = "max_completion_tokens"
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
     logprobs: bool | None = False
@@ -290,12 +306,6 @@ class ChatCompletionRequest(_Common):
     continue_final_message: bool = False  # vLLM's: the last message is the assistant's, its text continued (prefill)
     tools: list[Any] | None = None  # refused unless empty (_unsupported)
     functions: list[Any] | None = None
-
-    @model_validator(mode="after")
-    def _max_tokens_alias(self) -> ChatCompletionRequest:
-        if self.max_tokens is None and self.max_completion_tokens is not None:
-            self.max_tokens = self.max_completion_tokens
-        return self
 
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
@@ -355,6 +365,8 @@ class ResponsesRequest(_Common):
     extras included) but `n` (one output); `max_output_tokens` bounds the output. Log-probabilities where `include`
     holds "message.output_text.logprobs" or `top_logprobs` is given. Tools, a text format other than text, reasoning
     and background runs are a 400, never ignored."""
+
+    TOKENS_ALIAS: ClassVar[str | None] = "max_output_tokens"
 
     input: Annotated[str | list[InputMessage], one_of("a string or a list of messages {role, content}")]
     instructions: str | None = None
@@ -420,12 +432,6 @@ class ResponsesRequest(_Common):
                              "or prompts (send the earlier turns in input)")
         if self.background:
             raise ValueError("background is not supported: a response is answered while the request waits")
-        return self
-
-    @model_validator(mode="after")
-    def _max_tokens_alias(self) -> ResponsesRequest:
-        if self.max_tokens is None and self.max_output_tokens is not None:
-            self.max_tokens = self.max_output_tokens
         return self
 
     def logprob_count(self) -> int | None:

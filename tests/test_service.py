@@ -417,6 +417,8 @@ def test_responses_api_through_the_openai_client(tiny_app: App, reference_llm: S
              {"role": "user", "content": "Another one."}]
     same = client.chat.completions.create(model=MODEL, messages=turns, max_tokens=8, temperature=0)
     assert again.output_text == same.choices[0].message.content
+    with pytest.raises(openai.NotFoundError, match="stores no responses"):
+        client.responses.retrieve(res.id)
 
 
 def test_raw_sse_framing(tiny_app: App) -> None:
@@ -566,7 +568,7 @@ BAD_REQUESTS = [
     ("chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, 404, "gpt-4"),
     ("responses", {"model": "gpt-4", "input": "x"}, 404, "gpt-4"),
     ("responses", {"model": MODEL}, 400, "input"),
-    ("responses", {"model": MODEL, "input": "x", "max_output_tokens": 2000}, 400, "2000"),
+    ("responses", {"model": MODEL, "input": "x", "max_output_tokens": 2000}, 400, "max_output_tokens (2000)"),
     ("responses", {"model": MODEL, "input": "x", "previous_response_id": "resp_1"}, 400, "previous_response_id"),
     ("responses", {"model": MODEL, "input": "x", "tools": [{"type": "function", "name": "f"}]}, 400, "tools"),
     ("responses", {"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_image"}]}]}, 400,

@@ -9,6 +9,7 @@ import json
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
+from dsde_core.errors import ConfigError
 from dsde_core.request import RequestOutput, RequestStats
 from dsde_core.sampling import TokenLogprob
 from services.protocol import ResponsesRequest
@@ -49,6 +50,23 @@ def test_input_and_instructions_become_chat_messages() -> None:
                                             {"role": "system", "content": "Now in French."}]
     body = _request(max_output_tokens=7, temperature=0, seed=3)
     assert body.max_tokens == 7 and body.sampling(7).temperature == 0 and body.sampling(7).seed == 3
+
+
+def test_a_context_window_error_names_the_token_bound_as_the_request_did() -> None:
+    """max_output_tokens (and chat's max_completion_tokens) set max_tokens; the error names the field that was sent."""
+    from dsde_core.config import SamplingParams
+    from services.protocol import ChatCompletionRequest
+    from tests.tiny import tiny_engine
+
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    assert _request(max_output_tokens=9).tokens_field == "max_output_tokens"
+    assert _request(max_tokens=9).tokens_field == "max_tokens" and _request().tokens_field == "max_tokens"
+    assert ChatCompletionRequest(**chat, max_completion_tokens=9).tokens_field == "max_completion_tokens"
+    assert ChatCompletionRequest(**chat, max_tokens=9, max_completion_tokens=5).tokens_field == "max_tokens"
+    engine = tiny_engine()
+    window = engine.config.max_seq_len
+    with pytest.raises(ConfigError, match=rf"\+ max_output_tokens \({window}\) = {window + 2} exceeds"):
+        engine.validate([1, 2], SamplingParams(max_tokens=window), "max_output_tokens")
 
 
 def test_log_probabilities_where_include_or_top_logprobs_asks() -> None:
