@@ -269,6 +269,14 @@ class InputTextPart(BaseModel):
     text: str
 
 
+def check_parts(content: Any, allowed: tuple[str, ...], where: str = "") -> None:
+    """A ValueError naming the first content part whose type is not text (`allowed`), led by `where`."""
+    for part in content if isinstance(content, list) else ():
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind is not None and kind not in allowed:
+            raise ValueError(f"{where}content parts of type {kind!r} are not supported: this model takes text only")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     TEXT_PARTS: ClassVar[tuple[str, ...]] = ("text",)  # the content part types this message takes
@@ -279,10 +287,7 @@ class ChatMessage(BaseModel):
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts(cls, v: Any) -> Any:
-        for part in v if isinstance(v, list) else ():
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind is not None and kind not in cls.TEXT_PARTS:
-                raise ValueError(f"content parts of type {kind!r} are not supported: this model takes text only")
+        check_parts(v, cls.TEXT_PARTS)
         return v
 
     def text(self) -> str:
@@ -404,11 +409,7 @@ class ResponsesRequest(_Common):
             if kind != "message":
                 raise ValueError(f"input {i}: items of type {kind!r} are not supported (messages of text only)")
             content = item.get("content") if isinstance(item, dict) else None
-            for part in content if isinstance(content, list) else ():
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind is not None and kind not in InputMessage.TEXT_PARTS:
-                    raise ValueError(f"input {i}: content parts of type {kind!r} are not supported: this model takes "
-                                     "text only")
+            check_parts(content, InputMessage.TEXT_PARTS, f"input {i}: ")
         return data
 
     @model_validator(mode="after")
