@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from transformers.utils import logging as hf_logging
+
 from dsde_core.config import EngineConfig, SamplingParams
 from dsde_core.errors import ConfigError, DSDEError
 from dsde_core.llm import GenerationResult, SpeculativeLLM
@@ -91,9 +93,10 @@ def _generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.seed, presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
     config = EngineConfig(max_batch_size=1, dtype=args.dtype, device=args.device, num_threads=args.threads)
+    hf_logging.disable_progress_bar()  # transformers' "Loading weights" bars: this command reports its own lines
     llm = SpeculativeLLM.load(draft=args.draft, target=args.target, config=config)
     ids = llm.encode(args.prompt, args.chat)
-    llm.engine.validate(ids, params)  # the request itself, before the warm-up (whose max_tokens is not the user's)
+    llm.engine.validate(ids, params, "--max-tokens")  # the request itself, before the warm-up (not the user's)
     llm.generate([ids], SamplingParams(max_tokens=min(2, params.max_tokens)), policy="static:2")  # warm-up
     res, secs = _timed(llm, ids, params, args.policy)
     report: dict[str, Any] = {"text": res.text, "token_ids": res.token_ids, "policy": args.policy,
