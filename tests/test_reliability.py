@@ -540,6 +540,20 @@ def test_schemathesis_finds_no_server_error_and_no_worker_restarts(fuzz_svc: Ser
 
 
 # ---- a target that does not come back; drain ----------------------------------------------------------------
+async def response_events(client: Any, url: str, body: dict[str, Any], first_delta: asyncio.Event
+                          ) -> list[dict[str, Any]]:
+    """A streamed Responses API request's events (each one's data), in order; first_delta is set at the first text."""
+    events = []
+    async with client.stream("POST", url, json={**body, "stream": True}, headers=AUTH) as r:
+        assert r.status_code == 200, (await r.aread()).decode()
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line.removeprefix("data: ")))
+                if events[-1]["type"] == "response.output_text.delta":
+                    first_delta.set()
+    return events
+
+
 def test_target_that_does_not_come_back_ends_requests_with_a_clear_error(
         cluster: tuple[int, int], tiny_models: tuple[Path, Path]) -> None:
     from services.app import build_app
@@ -551,26 +565,35 @@ def test_target_that_does_not_come_back_ends_requests_with_a_clear_error(
     try:
         started = json.loads(http_get(f"{dead.base}/health")[1])["started"]
 
-        async def main() -> tuple[list[StreamResult], Any, float]:
+        async def main() -> tuple[list[StreamResult], list[dict[str, Any]], Any, float]:
             async with httpx.AsyncClient(timeout=TIMEOUT) as client:
                 body = {"model": MODEL, "max_tokens": 400, "temperature": 0, "speculation": {"enabled": False}}
-                firsts = [asyncio.Event() for _ in range(3)]
+                firsts = [asyncio.Event() for _ in range(4)]
                 tasks = [asyncio.create_task(stream(client, f"{dead.v1}/completions", {**body, "prompt": p},
                                                     first_chunk=ev))
-                         for p, ev in zip(PROMPTS[:3], firsts, strict=True)]
+                         for p, ev in zip(PROMPTS[:3], firsts, strict=False)]
+                answer = asyncio.create_task(response_events(client, f"{dead.v1}/responses", {  # the Responses API's
+                    **body, "input": PROMPTS[3]}, firsts[3]))
                 await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in firsts)), TIMEOUT)
                 names = httpx.get(f"{dead.base}/admin/state", timeout=30).json()["actors"]
                 ray.kill(ray.get_actor(names["names"]["target"], namespace=names["namespace"]), no_restart=True)
                 t0 = time.perf_counter()
                 plain = await client.post(f"{dead.v1}/completions", json={**body, "prompt": "late"})
                 streams = await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT)
-                return streams, plain, time.perf_counter() - t0
+                events = await asyncio.wait_for(answer, TIMEOUT)
+                return streams, events, plain, time.perf_counter() - t0
 
-        streams, plain, took = asyncio.run(main())
+        streams, events, plain, took = asyncio.run(main())
         assert took < 60  # the configured wait (4 s), not a hang
         for res in streams:
             assert res.status == 200 and res.done and res.error is not None, res
             assert res.error["code"] == 503 and "did not come back within 4s" in res.error["message"]
+        error, failed = events[-2:]  # a Responses API stream ends with an error event and response.failed
+        assert error["type"] == "error" and error["code"] == "unavailable", events[-3:]
+        assert "did not come back within 4s" in error["message"]
+        assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+        assert failed["response"]["error"]["message"] == error["message"]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
         assert plain.status_code == 503 and plain.headers["retry-after"] == "1"
         assert "did not come back" in plain.json()["error"]["message"]
         # the health check sees a target that will not be restarted; Serve replaces the replica, which answers
