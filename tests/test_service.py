@@ -399,6 +399,15 @@ def test_responses_api_through_the_openai_client(tiny_app: App, reference_llm: S
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
     assert "".join(deltas) == expected and len(deltas) > 1  # streamed, not one blob
     assert events[-1].type == f"response.{res.status}" and events[-1].response.output_text == expected
+    with client.responses.stream(model=MODEL, input=prompt, max_output_tokens=20, temperature=0) as helper:
+        accumulated = list(helper)  # through the client's own accumulator, which checks the events' identities
+    assert "".join(e.delta for e in accumulated if e.type == "response.output_text.delta") == expected
+    assert accumulated[-1].type == f"response.{res.status}" and accumulated[-1].response.output_text == expected
+    [ref] = reference_llm.generate([prompt], SamplingParams(max_tokens=20), policy="off", chat=True)
+    with client.responses.stream(model=MODEL, input=prompt, max_output_tokens=20, temperature=0,
+                                 extra_body={"stop_token_ids": [ref.token_ids[5]]}) as helper:
+        final = helper.get_final_response()  # the helper's: only a response.completed gives one
+    assert final.status == "completed" and expected.startswith(final.output_text) and final.usage.output_tokens <= 6
 
     system = "Answer in French."
     answer = client.responses.create(model=MODEL, instructions=system, input=prompt, max_output_tokens=12,
