@@ -1,6 +1,7 @@
 """Locust load test of DSDE Serve's OpenAI-compatible API (README, Operations).
 
-Each simulated user streams chat and text completions (`stream: true`, usage in the last chunk) with real prompts
+Each simulated user streams chat and text completions (`stream: true`, usage in the last chunk), and with
+--responses-fraction the Responses API (its events; usage in the last), with real prompts
 from the benchmark workloads (dsde_bench.workloads: ShareGPT, HumanEval, GSM8K, ... from the data packages that
 `make setup` installs), mixing short and long generations. Beside Locust's own entry per endpoint (the time until the
 response headers, i.e. until the stream opens), every streamed request fires custom request events, the convention
@@ -10,17 +11,20 @@ of LLM Locust harnesses, so that they land in the same statistics and CSV files:
     type LLM, name ITL    inter-token latency: gap between successive chunks with text (one per engine step that
                           gave the request tokens; with speculative decoding a step can carry several tokens)
     type LLM, name TPOT   time per output token: (last - first chunk) / (completion tokens - 1)
-    type LLM, name E2E    end-to-end latency: request sent -> `data: [DONE]`
+    type LLM, name E2E    end-to-end latency: request sent -> `data: [DONE]` (the Responses API: its
+                          response.completed or response.incomplete event)
 
 (response_length of TTFT/E2E/TPOT is the request's completion tokens.) A request fails on an HTTP error, an error
-event in the stream, a malformed chunk, or a stream that ends without `[DONE]`.
+event in the stream (the Responses API: `error` or response.failed), a malformed chunk, or a stream that ends
+without `[DONE]` (without its final event).
 
     .venv/bin/locust -f load_tests/locustfile.py --headless --host http://127.0.0.1:8000 \\
         --users 4 --spawn-rate 2 --run-time 60s --csv results/locust --only-summary
 
 Options (also LOCUST_* environment variables): --model (default: the first of GET /v1/models), --workloads
 (chat,code,math), --prompts-per-workload (8), --short-tokens (32), --long-tokens (256), --long-fraction (0.25),
---max-prompt-chars (1500), --chat-fraction (0.5), --temperature (0), --api-key (default $DSDE_API_KEY: sent as a
+--max-prompt-chars (1500), --responses-fraction (0: share sent to /v1/responses), --chat-fraction (0.5 of the
+rest), --temperature (0), --api-key (default $DSDE_API_KEY: sent as a
 bearer token to a service started with a key). A bad option ends Locust before the run, in one line; a model list
 that does not answer stops the test within seconds.
 """
@@ -57,7 +61,9 @@ def _options(parser: Any) -> None:
     parser.add_argument("--long-tokens", type=int, default=256, help="max_tokens of a long generation")
     parser.add_argument("--long-fraction", type=float, default=0.25, help="share of requests that are long")
     parser.add_argument("--max-prompt-chars", type=int, default=1500, help="longer prompts are not sampled")
-    parser.add_argument("--chat-fraction", type=float, default=0.5, help="share sent to /v1/chat/completions")
+    parser.add_argument("--responses-fraction", type=float, default=0.0, help="share sent to /v1/responses")
+    parser.add_argument("--chat-fraction", type=float, default=0.5,
+                        help="share of the rest sent to /v1/chat/completions (the others: /v1/completions)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--api-key", default="", env_var="DSDE_API_KEY", is_secret=True,
                         help="sent as 'Authorization: Bearer KEY' (a service started with --api-key)")
@@ -70,6 +76,7 @@ def _prompts(opts: Any) -> list[str]:
                                                                             ">= 1"),
                         (0 <= opts.long_fraction <= 1, "--long-fraction must be in [0, 1]"),
                         (0 <= opts.chat_fraction <= 1, "--chat-fraction must be in [0, 1]"),
+                        (0 <= opts.responses_fraction <= 1, "--responses-fraction must be in [0, 1]"),
                         (0 <= opts.temperature <= 2, "--temperature must be in [0, 2]")):
         if not ok:
             raise ConfigError(problem)
@@ -105,6 +112,22 @@ def _chunk_text(choice: dict[str, Any], chat: bool) -> str:
     return choice.get("text") or ""
 
 
+def _read(event: dict[str, Any], api: str) -> tuple[str, int | None, bool, Any]:
+    """One parsed event's text, the completion tokens where it states them, whether it ends the stream, and the error
+    it reports (None: none). Chat and completions end with `data: [DONE]`, read before this."""
+    if api == "responses":
+        kind = event.get("type")
+        if kind in ("error", "response.failed"):
+            return "", None, True, event.get("message") or event["response"].get("error")
+        if kind in ("response.completed", "response.incomplete"):
+            return "", event["response"]["usage"]["output_tokens"], True, None
+        return (event["delta"] if kind == "response.output_text.delta" else ""), None, False, None
+    if "error" in event:
+        return "", None, True, event["error"]
+    tokens = event["usage"]["completion_tokens"] if event.get("usage") else None
+    return "".join(_chunk_text(c, api == "chat") for c in event.get("choices") or []), tokens, False, None
+
+
 class OpenAIStreamingUser(HttpUser):
     """One client: a streamed request, then a short think time."""
 
@@ -131,19 +154,20 @@ class OpenAIStreamingUser(HttpUser):
     @task
     def stream(self) -> None:
         opts = self.environment.parsed_options
-        long = self.rng.random() < opts.long_fraction
-        chat = self.rng.random() < opts.chat_fraction
+        tokens = opts.long_tokens if self.rng.random() < opts.long_fraction else opts.short_tokens
         prompt = self.rng.choice(_PROMPTS)
-        body: dict[str, Any] = {"model": _MODEL[0], "stream": True, "stream_options": {"include_usage": True},
-                                "max_tokens": opts.long_tokens if long else opts.short_tokens,
-                                "temperature": opts.temperature}
-        if chat:
-            path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
+        body: dict[str, Any] = {"model": _MODEL[0], "stream": True, "temperature": opts.temperature}
+        if self.rng.random() < opts.responses_fraction:
+            path, api = "/v1/responses", "responses"
+            body |= {"input": prompt, "max_output_tokens": tokens}
         else:
-            path, body["prompt"] = "/v1/completions", prompt
-        self._stream(path, body, chat)
+            chat = self.rng.random() < opts.chat_fraction
+            path, api = ("/v1/chat/completions", "chat") if chat else ("/v1/completions", "completions")
+            body |= {"stream_options": {"include_usage": True}, "max_tokens": tokens}
+            body |= {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+        self._stream(path, body, api)
 
-    def _stream(self, path: str, body: dict[str, Any], chat: bool) -> None:
+    def _stream(self, path: str, body: dict[str, Any], api: str) -> None:
         t0 = time.perf_counter()
         first = last = None
         itl: list[float] = []
@@ -159,16 +183,15 @@ class OpenAIStreamingUser(HttpUser):
                     if not line.startswith("data: "):
                         continue
                     data = line[len("data: "):]
-                    if data == "[DONE]":
+                    if data == "[DONE]" and api != "responses":
                         done = True
                         break
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        r.failure(f"error event: {chunk['error']}")
+                    text, stated, ends, error = _read(json.loads(data), api)
+                    if error is not None:
+                        r.failure(f"error event: {error}")
                         return
-                    if chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
-                    text = "".join(_chunk_text(c, chat) for c in chunk.get("choices") or [])
+                    tokens = tokens if stated is None else stated
+                    done = ends
                     if text:
                         now = time.perf_counter()
                         if first is None:
@@ -176,11 +199,13 @@ class OpenAIStreamingUser(HttpUser):
                         else:
                             itl.append(now - last)
                         last = now
+                    if done:
+                        break
             except (ValueError, KeyError, OSError) as e:
                 r.failure(f"bad stream: {e!r}")
                 return
             if not done:
-                r.failure("the stream ended without [DONE]")
+                r.failure("the stream ended without " + ("its final event" if api == "responses" else "[DONE]"))
                 return
             r.success()
         end = time.perf_counter()

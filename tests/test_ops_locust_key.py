@@ -94,6 +94,7 @@ def test_without_the_key_the_run_stops_at_the_model_list(keyed: str, tmp_path: P
 @pytest.mark.parametrize(("flags", "says"), [
     (("--workloads", "bogus"), "locustfile: error: unknown workload 'bogus'"),
     (("--long-fraction", "2"), "locustfile: error: --long-fraction must be in [0, 1]"),
+    (("--responses-fraction", "-0.1"), "locustfile: error: --responses-fraction must be in [0, 1]"),
     (("--short-tokens", "0"), "locustfile: error: --short-tokens and --long-tokens must be >= 1"),
 ])
 def test_a_bad_option_ends_the_run_before_it_starts_in_one_line(keyed: str, tmp_path: Path, flags: tuple[str, ...],

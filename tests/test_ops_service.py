@@ -3,8 +3,8 @@
 Prometheus server (Debian's package, installed by `make setup`) scraping it through Ray's service-discovery file
 with deploy/prometheus/prometheus.yml and its recording rules, and Locust driving it.
 
-- Locust: load_tests/locustfile.py headless, a few users for ~25 s on localhost; no request may fail, and the CSV
-  carries TTFT / ITL / TPOT / E2E beside the endpoint entries.
+- Locust: load_tests/locustfile.py headless, a few users for ~25 s on localhost (chat, completions and the Responses
+  API); no request may fail, and the CSV carries TTFT / ITL / TPOT / E2E beside the endpoint entries.
 - Prometheus: after real requests (streamed and not, chat and completions, speculation on and off, errors), every
   PromQL expression of every panel of both Grafana dashboards, every recording rule and every template variable
   must parse and return finite data, and no alerting rule fires; every scrape target of the service-discovery file
@@ -80,7 +80,8 @@ def test_locust_headless_run_streams_without_errors(live: Live, tmp_path: Path) 
     prefix = tmp_path / "locust"
     cmd = locust_command(live.base, prefix, "--users", "3", "--spawn-rate", "3", "--run-time", "25s",
                          "--stop-timeout", "60", "--short-tokens", "16", "--long-tokens", "64", "--long-fraction",
-                         "0.3", "--prompts-per-workload", "4", "--max-prompt-chars", "600")
+                         "0.3", "--prompts-per-workload", "4", "--max-prompt-chars", "600", "--responses-fraction",
+                         "0.34")
     t0 = time.monotonic()
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
     elapsed = time.monotonic() - t0
@@ -94,7 +95,8 @@ def test_locust_headless_run_streams_without_errors(live: Live, tmp_path: Path) 
     assert int(stats[("", "Aggregated")]["Failure Count"]) == 0, stats[("", "Aggregated")]
     streamed = [r for (kind, name), r in stats.items() if kind == "POST" and name.endswith("(stream)")]
     assert sum(int(r["Request Count"]) for r in streamed) >= 5, stats.keys()
-    assert {r["Name"] for r in streamed} == {"/v1/chat/completions (stream)", "/v1/completions (stream)"}
+    assert {r["Name"] for r in streamed} == {"/v1/chat/completions (stream)", "/v1/completions (stream)",
+                                             "/v1/responses (stream)"}
     requests = sum(int(r["Request Count"]) for r in streamed)
     for name in ("TTFT", "ITL", "TPOT", "E2E"):
         row = stats[("LLM", name)]
