@@ -93,3 +93,22 @@ def http_post(url: str, body: Any, timeout: float = 120, raw: bytes | None = Non
             return r.status, json.loads(r.read().decode())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read().decode())
+
+
+def schema_verdicts(model: Any, bodies: list[dict[str, Any]]) -> list[bool]:
+    """Whether each body is valid, by the request model's JSON schema (what clients and schemathesis read) and by its
+    validator (what the endpoint does), asserted to agree body by body."""
+    import jsonschema
+    from pydantic import ValidationError
+
+    schema = jsonschema.Draft202012Validator(model.model_json_schema())
+    verdicts = []
+    for body in bodies:
+        try:
+            model.model_validate(body)
+            valid = True
+        except ValidationError:
+            valid = False
+        assert schema.is_valid(body) == valid, body
+        verdicts.append(valid)
+    return verdicts
