@@ -25,7 +25,7 @@ from dsde_core.request import RequestOutput
 from services.responses import Reply, speculation_stats
 
 
-def event(obj: dict[str, Any]) -> str:
+def sse_event(obj: dict[str, Any]) -> str:
     """One server-sent event named by its type."""
     return f"event: {obj['type']}\ndata: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -55,16 +55,17 @@ class ResponsesReply(Reply):
                  ) -> dict[str, Any]:
         """The response object; an in-progress one has no output and no usage yet."""
         started = status != "in_progress"
-        item_status = "completed" if status == "completed" else "incomplete"
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "completed_at": int(time.time()) if status == "completed" else None, "error": error,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                "model": self.model, "output": [self.message(item_status)] if started else [],
+                "model": self.model, "output": [self.message(status)] if started else [],
                 "usage": self.response_usage() if started else None, **self.settings,
                 "speculation": speculation_stats(last.stats) if last is not None else None}
 
     def message(self, status: str, content: bool = True) -> dict[str, Any]:
-        return {"type": "message", "id": self.item_id, "status": status, "role": "assistant",
+        """The output message of a response in `status` (an item is in_progress, completed or incomplete)."""
+        item = status if status in ("in_progress", "completed") else "incomplete"
+        return {"type": "message", "id": self.item_id, "status": item, "role": "assistant",
                 "content": [self.part()] if content else []}
 
     def part(self) -> dict[str, Any]:
@@ -92,7 +93,7 @@ class ResponsesReply(Reply):
     # ---- the stream ---------------------------------------------------------------------------------
     def event(self, type_: str, **fields: Any) -> str:
         self.sequence += 1
-        return event({"type": type_, "sequence_number": self.sequence - 1, **fields})
+        return sse_event({"type": type_, "sequence_number": self.sequence - 1, **fields})
 
     def _where(self) -> dict[str, Any]:
         return {"item_id": self.item_id, "output_index": 0, "content_index": 0}
@@ -112,8 +113,7 @@ class ResponsesReply(Reply):
         status = status_of(last)
         return [self.event("response.output_text.done", **self._where(), text=self.text, logprobs=self.logprobs),
                 self.event("response.content_part.done", **self._where(), part=self.part()),
-                self.event("response.output_item.done", output_index=0,
-                           item=self.message("completed" if status == "completed" else "incomplete")),
+                self.event("response.output_item.done", output_index=0, item=self.message(status)),
                 self.event(f"response.{status}", response=self.response(status, last))]
 
     def failed(self, message: str, code: str) -> list[str]:

@@ -571,7 +571,7 @@ def test_target_that_does_not_come_back_ends_requests_with_a_clear_error(
                 firsts = [asyncio.Event() for _ in range(4)]
                 tasks = [asyncio.create_task(stream(client, f"{dead.v1}/completions", {**body, "prompt": p},
                                                     first_chunk=ev))
-                         for p, ev in zip(PROMPTS[:3], firsts, strict=False)]
+                         for p, ev in zip(PROMPTS[:3], firsts[:3], strict=True)]
                 answer = asyncio.create_task(response_events(client, f"{dead.v1}/responses", {  # the Responses API's
                     **body, "input": PROMPTS[3]}, firsts[3]))
                 await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in firsts)), TIMEOUT)
