@@ -94,7 +94,7 @@ def _add_check_config(sub: Any) -> None:
 def _check_config(args: argparse.Namespace) -> int:
     """Each application in one line, and a note for a model source that is not on this machine (on a cluster it
     must be on every node, which this machine cannot see); a problem is an error naming the application and field."""
-    from services.config import model_source_exists
+    from dsde_core.models.loader import model_source_exists
     from services.config_file import check_config_file
 
     for app in check_config_file(args.file):

@@ -13,7 +13,6 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -21,19 +20,12 @@ import yaml
 from dsde_core.config import DTYPES, EngineConfig, is_device
 from dsde_core.errors import ConfigError
 from dsde_core.models.loader import DEFAULT_DRAFT, DEFAULT_TARGET
-from dsde_core.models.packaged import EMBEDDED
 from dsde_core.policies import DEFAULT_POLICY, make_policy
 
 
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
-
-
-def model_source_exists(source: str) -> bool:
-    """An embedded name, or a Hugging Face directory or .gguf file on this machine."""
-    path = Path(os.path.expanduser(source))
-    return source in EMBEDDED or path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf")
 
 
 def _from_dict(cls: type, data: dict[str, Any] | None, what: str) -> Any:

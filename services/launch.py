@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 from dsde_core.errors import ConfigError, DSDEError, ModelLoadError
+from dsde_core.models.loader import model_source_exists
 from dsde_core.models.packaged import EMBEDDED
-from services.config import PolicyConfig, ServiceConfig, model_source_exists
+from services.config import PolicyConfig, ServiceConfig
 from services.placement import strip_exception_type
 
 APP_NAME = "dsde"
@@ -308,8 +309,6 @@ def _replace(path: Path, groups: list[dict[str, Any]]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(groups))
     os.replace(tmp, path)  # whole or not at all: Prometheus re-reads the file whenever it changes
-
-
 
 
 def _sd_path(option: str, ray: Any) -> Path:

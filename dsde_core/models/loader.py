@@ -67,6 +67,13 @@ def load_model(
     )
 
 
+def model_source_exists(source: str) -> bool:
+    """Whether load_model finds something to load at `source`: an embedded name, or a Hugging Face directory or a
+    .gguf file on this machine (its three kinds, checked before any model loads)."""
+    path = Path(os.path.expanduser(source))
+    return source in EMBEDDED or path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf")
+
+
 def check_device(device: str) -> None:
     """ModelLoadError, before any weights are read, unless this process can place tensors on `device`."""
     if not device.startswith("cuda"):
