@@ -83,8 +83,18 @@ def error_body(message: str, status: int, type_: str | None = None, param: str |
     return ErrorBody(error=ErrorInfo(message=message, type=kind, code=status, param=param)).model_dump()
 
 
+class Refused(ValueError):
+    """A model-level check's refusal, naming its field: pydantic gives a model validator's error no location, and
+    OpenAI's error body names the field in `param`."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def describe_invalid(errors: list[dict[str, Any]], content_type: str = "application/json") -> tuple[str, str | None]:
-    """A request's validation errors (FastAPI's) as one message and the first field they name (OpenAI's `param`).
+    """A request's validation errors (FastAPI's) as one message and the first field they name (OpenAI's `param`: a
+    field error's location, else the field a model validator's Refused names).
     A body that is no JSON object at all gets one sentence saying what is wrong with it, not pydantic's words (a
     model validator's error is the body's too, and keeps its own words)."""
     for err in errors:
@@ -103,7 +113,7 @@ def describe_invalid(errors: list[dict[str, Any]], content_type: str = "applicat
     parts, param = [], None
     for err in errors:
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-        param = param or loc or None
+        param = param or loc or getattr(err.get("ctx", {}).get("error"), "param", None)
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
         parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(parts) or "invalid request body", param
@@ -159,10 +169,10 @@ class _Common(BaseModel):
         if isinstance(data, dict):
             asked = [f for f in STRUCTURED if data.get(f) is not None]
             if asked:
-                raise ValueError(f"{', '.join(asked)} (structured output) is not supported")
+                raise Refused(asked[0], f"{', '.join(asked)} (structured output) is not supported")
             fmt = data.get("response_format")
             if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
-                raise ValueError(f"response_format {fmt.get('type')!r} is not supported (only text)")
+                raise Refused("response_format", f"response_format {fmt.get('type')!r} is not supported (only text)")
             ignored = sorted(str(f) for f in data if f not in cls.model_fields and f not in STRUCTURED)
             if ignored:  # a client that misspells a field learns it from the log, as vLLM's do
                 log.warning("The request's fields %s are not known and were ignored", ", ".join(ignored))
@@ -240,15 +250,16 @@ class CompletionRequest(_Common):
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
         if self.suffix:
-            raise ValueError("suffix (text insertion) is not supported")
+            raise Refused("suffix", "suffix (text insertion) is not supported")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of is not supported (ask for n={self.n} choices instead), got {self.best_of}")
+            raise Refused("best_of",
+                          f"best_of is not supported (ask for n={self.n} choices instead), got {self.best_of}")
         return self
 
     @model_validator(mode="after")
     def _some_prompts(self) -> CompletionRequest:
         if (count := len(self.prompts())) > MAX_PROMPTS:
-            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {count}")
+            raise Refused("prompt", f"at most {MAX_PROMPTS} prompts per request, got {count}")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -270,11 +281,13 @@ class InputTextPart(BaseModel):
 
 
 def check_parts(content: Any, allowed: tuple[str, ...], where: str = "") -> None:
-    """A ValueError naming the first content part whose type is not text (`allowed`), led by `where`."""
+    """A refusal naming the first content part whose type is not text (`allowed`), led by `where` (its message's
+    location: "input.2", say)."""
     for part in content if isinstance(content, list) else ():
         kind = part.get("type") if isinstance(part, dict) else None
         if kind is not None and kind not in allowed:
-            raise ValueError(f"{where}content parts of type {kind!r} are not supported: this model takes text only")
+            raise Refused(f"{where}.content" if where else "content", f"{where + ': ' if where else ''}content parts "
+                          f"of type {kind!r} are not supported: this model takes text only")
 
 
 class ChatMessage(BaseModel):
@@ -315,13 +328,15 @@ class ChatCompletionRequest(_Common):
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
         if self.tools or self.functions:
-            raise ValueError("tools and functions (function calling) are not supported")
+            raise Refused("tools" if self.tools else "functions",
+                          "tools and functions (function calling) are not supported")
         return self
 
     @model_validator(mode="after")
     def _continuation(self) -> ChatCompletionRequest:
         if self.continue_final_message and (self.add_generation_prompt or self.messages[-1].role != "assistant"):
-            raise ValueError("continue_final_message needs add_generation_prompt false and an assistant's last message")
+            raise Refused("continue_final_message",
+                          "continue_final_message needs add_generation_prompt false and an assistant's last message")
         return self
 
     def template_options(self) -> dict[str, bool]:
@@ -332,7 +347,7 @@ class ChatCompletionRequest(_Common):
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs set to true")
+            raise Refused("top_logprobs", "top_logprobs needs logprobs set to true")
         return self
 
     def logprob_count(self) -> int | None:
@@ -407,32 +422,33 @@ class ResponsesRequest(_Common):
         for i, item in enumerate(items if isinstance(items, list) else ()):
             kind = item.get("type", "message") if isinstance(item, dict) else "message"
             if kind != "message":
-                raise ValueError(f"input {i}: items of type {kind!r} are not supported (messages of text only)")
+                raise Refused(f"input.{i}",
+                              f"input.{i}: items of type {kind!r} are not supported (messages of text only)")
             content = item.get("content") if isinstance(item, dict) else None
-            check_parts(content, InputMessage.TEXT_PARTS, f"input {i}: ")
+            check_parts(content, InputMessage.TEXT_PARTS, f"input.{i}")
         return data
 
     @model_validator(mode="after")
     def _unsupported(self) -> ResponsesRequest:
         if isinstance(self.input, list) and not self.input:
-            raise ValueError("input holds no messages")
+            raise Refused("input", "input holds no messages")
         if self.n != 1:
-            raise ValueError(f"n: a response has one output, got n={self.n} (/v1/chat/completions takes n)")
+            raise Refused("n", f"n: a response has one output, got n={self.n} (/v1/chat/completions takes n)")
         if self.tools:
-            raise ValueError("tools (function calling) are not supported")
+            raise Refused("tools", "tools (function calling) are not supported")
         if self.tool_choice not in (None, "auto", "none"):
-            raise ValueError(f"tool_choice {self.tool_choice!r} needs tools, which are not supported")
+            raise Refused("tool_choice", f"tool_choice {self.tool_choice!r} needs tools, which are not supported")
         fmt = (self.text or {}).get("format")
         kind = fmt.get("type", "text") if isinstance(fmt, dict) else fmt
         if fmt is not None and kind != "text":
-            raise ValueError(f"text.format {kind!r} is not supported (only text)")
+            raise Refused("text.format", f"text.format {kind!r} is not supported (only text)")
         if any(v is not None for v in (self.reasoning or {}).values()):
-            raise ValueError("reasoning is not supported: this model does not reason")
+            raise Refused("reasoning", "reasoning is not supported: this model does not reason")
         if stateful := [f for f in STATEFUL if getattr(self, f) is not None]:
-            raise ValueError(f"{', '.join(stateful)} is not supported: this server stores no responses, conversations "
-                             "or prompts (send the earlier turns in input)")
+            raise Refused(stateful[0], f"{', '.join(stateful)} is not supported: this server stores no responses, "
+                          "conversations or prompts (send the earlier turns in input)")
         if self.background:
-            raise ValueError("background is not supported: a response is answered while the request waits")
+            raise Refused("background", "background is not supported: a response is answered while the request waits")
         return self
 
     def logprob_count(self) -> int | None:

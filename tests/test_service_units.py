@@ -20,7 +20,7 @@ from services.config import PolicyConfig, ServiceConfig, build_policy
 from services.controller import Controller
 from services.ingress import choice_params, merge
 from services.metrics import METRICS, exported_name
-from services.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from services.protocol import ChatCompletionRequest, CompletionRequest, describe_invalid, error_body
 from services.responses import Reply
 from tests.cli_support import help_flags
 from tests.tiny import random_prompts, tiny_engine
@@ -235,6 +235,21 @@ def test_request_models_bound_their_fields() -> None:
         ChatCompletionRequest(model="m", messages=[{"role": "wizard", "content": "x"}])
 
 
+@pytest.mark.parametrize(("body", "param"), [
+    (dict(prompt="hi", suffix="x"), "suffix"), (dict(prompt="hi", best_of=2), "best_of"),
+    (dict(prompt=["a"] * 65), "prompt"), (dict(prompt="hi", structural_tag={}, guided_json={}), "guided_json"),
+    (dict(prompt="hi", response_format={"type": "json_object"}), "response_format"),
+    (dict(messages=[{"role": "user", "content": "x"}], functions=[{}]), "functions"),
+    (dict(messages=[{"role": "user", "content": "x"}], continue_final_message=True), "continue_final_message"),
+])
+def test_a_model_validators_refusal_names_its_field_as_param(body: dict, param: str) -> None:
+    """pydantic gives a model validator's error no location; the error body's `param` still names the field."""
+    with pytest.raises(ValidationError) as e:
+        (ChatCompletionRequest if "messages" in body else CompletionRequest)(model="m", **body)
+    message, named = describe_invalid(e.value.errors())
+    assert named == param and param in message, (message, named)
+
+
 BAD_BODIES = [  # (raw body, Content-Type, what the message must say, param)
     (b"{", "application/json", "not valid JSON (Expecting property name enclosed in double quotes at character 1)",
      None),
@@ -248,7 +263,11 @@ BAD_BODIES = [  # (raw body, Content-Type, what the message must say, param)
      "send it with Content-Type: application/json (got application/x-www-form-urlencoded)", None),
     (b"{}", "", "send it with Content-Type: application/json (got none)", None),
     (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{}]}', "application/json",
-     "tools and functions (function calling) are not supported", None),  # a model validator's: the body's own words
+     "tools and functions (function calling) are not supported", "tools"),  # a model validator's: its own words
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', "application/json",
+     "top_logprobs needs logprobs set to true", "top_logprobs"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}',
+     "application/json", "response_format 'json_object' is not supported", "response_format"),
     (b'{"model": "m", "messages": [{"role": "user", "content": 5}]}', "application/json",
      "messages.0.content: expected a string or a list of text parts", "messages.0.content"),
     (b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}',
