@@ -393,7 +393,9 @@ class ResponsesRequest(_Common):
     max_output_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     include: list[str] | None = None  # INCLUDE_LOGPROBS; the others name items (tool calls, images) never made here
-    metadata: dict[str, str] | None = Field(default=None, max_length=16)  # returned as given
+    # returned as given; OpenAI's bounds: 16 pairs, keys of at most 64 characters, values of at most 512
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
+        default=None, max_length=16)
     store: bool | None = None  # nothing is stored here: the response says store false
     user: str | None = None  # the rest of these are accepted and change nothing in the answer
     safety_identifier: str | None = None
