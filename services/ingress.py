@@ -1,7 +1,7 @@
 """The ingress: a FastAPI app on Ray Serve that owns the engine and speaks the OpenAI API.
 
     POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (stream: true -> server-sent events),
-    GET /v1/models, GET /health
+    GET /v1/models, GET /health, GET /version
 
 One replica = one engine: dsde_core's Engine, unchanged, over proxies to three actors it creates (draft host,
 target host, controller; services.placement), stepped by dsde_core's AsyncEngine in a thread. Batching: every
@@ -43,6 +43,7 @@ from ray import serve
 from ray.exceptions import ActorDiedError, RayActorError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dsde_core import __version__
 from dsde_core.async_engine import AsyncEngine
 from dsde_core.config import SamplingParams
 from dsde_core.detokenize import token_bytes
@@ -449,6 +450,11 @@ class DSDEServer:
                 "started": self.started}
         return JSONResponse(body, status_code=200 if status in ("ok", "degraded") else 503)
 
+    @app.get("/version")
+    async def version(self) -> dict[str, str]:
+        """vLLM's: the server's version."""
+        return {"version": __version__}
+
     @app.get("/admin/state")
     async def admin_state(self) -> dict[str, Any]:
         """Every piece of per-request state, where it lives: the engine's counts and each party's health, and
@@ -481,7 +487,7 @@ class DSDEServer:
         return self._card()
 
     def _card(self) -> dict[str, Any]:
-        return {"id": self.model, "object": "model", "created": 0, "owned_by": "dsde",
+        return {"id": self.model, "object": "model", "created": int(self.started), "owned_by": "dsde",
                 "max_model_len": self.cfg.max_seq_len}
 
     @app.post("/tokenize")

@@ -222,6 +222,12 @@ class _Common(BaseModel):
         """Alternatives per prompt token to report with its log-probability; None: none (only an echo reports them)."""
         return None
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _Common:
+        if self.stream_options is not None and not self.stream:  # OpenAI's and vLLM's rule
+            raise Refused("stream_options", "stream_options is only allowed with stream: true")
+        return self
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)

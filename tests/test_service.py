@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+import dsde_core
 from dsde_core.config import EngineConfig, SamplingParams
 from dsde_core.detokenize import token_bytes
 from dsde_core.llm import SpeculativeLLM
@@ -449,6 +450,9 @@ def test_models_and_health(tiny_app: App) -> None:
     assert [m.id for m in tiny_app.client().models.list()] == [MODEL]
     card = tiny_app.client().models.retrieve(MODEL)  # GET /v1/models/{model}
     assert card.id == MODEL and card.model_extra["max_model_len"] == TINY_SEQ_LEN
+    assert time.time() - 3600 < card.created <= time.time()  # the replica's start
+    status, body = http_get(f"{tiny_app.base}/version")
+    assert status == 200 and json.loads(body) == {"version": dsde_core.__version__}
     status, body = http_get(f"{tiny_app.v1}/models/gpt-4")
     assert status == 404 and "gpt-4" in json.loads(body)["error"]["message"]
     status, body = http_get(f"{tiny_app.base}/health")

@@ -95,6 +95,7 @@ def test_log_probabilities_where_include_or_top_logprobs_asks() -> None:
     ({"previous_response_id": "resp_1"}, "previous_response_id", "previous_response_id"),
     ({"conversation": "conv_1"}, "stores no responses", "conversation"),
     ({"background": True}, "background", "background"),
+    ({"stream_options": {"include_obfuscation": False}}, "only allowed with stream: true", "stream_options"),
     ({"truncation": "auto"}, "truncation", "truncation"),
     ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
     ({"top_logprobs": 21}, "top_logprobs", "top_logprobs"),
@@ -116,7 +117,7 @@ def test_what_the_responses_api_asks_and_this_server_does_not_do_is_refused(fiel
 def test_accepted_fields_that_change_nothing_are_not_refused() -> None:
     body = _request(store=True, user="u", tool_choice="auto", parallel_tool_calls=False, truncation="disabled",
                     reasoning={"effort": None}, text={"format": {"type": "text"}}, service_tier="auto",
-                    metadata={"k": "v"}, stream_options={"include_obfuscation": False})
+                    metadata={"k": "v"}, stream=True, stream_options={"include_obfuscation": False})
     settings = body.settings()
     assert settings["store"] is False and settings["metadata"] == {"k": "v"} and settings["user"] == "u"
     assert settings["parallel_tool_calls"] is False and settings["tool_choice"] == "auto" and settings["tools"] == []

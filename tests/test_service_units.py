@@ -241,6 +241,8 @@ def test_request_models_bound_their_fields() -> None:
     (dict(prompt="hi", response_format={"type": "json_object"}), "response_format"),
     (dict(messages=[{"role": "user", "content": "x"}], functions=[{}]), "functions"),
     (dict(messages=[{"role": "user", "content": "x"}], continue_final_message=True), "continue_final_message"),
+    (dict(prompt="hi", stream_options={"include_usage": True}), "stream_options"),
+    (dict(messages=[{"role": "user", "content": "x"}], stream=False, stream_options={}), "stream_options"),
 ])
 def test_a_model_validators_refusal_names_its_field_as_param(body: dict, param: str) -> None:
     """pydantic gives a model validator's error no location; the error body's `param` still names the field."""
