@@ -29,6 +29,7 @@ from typing import Any
 
 from dsde_bench import provenance
 from dsde_bench.probe import PROBE_FORWARDS
+from dsde_bench.serve_client import ENDPOINTS
 from dsde_bench.workloads import DEFAULT_MAX_CHARS, load_workload, parse_workloads
 from dsde_core.errors import ConfigError, DSDEError
 
@@ -152,7 +153,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     v = p.add_argument_group("server mode (--url)")
     v.add_argument("--url", default=None, help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
-    v.add_argument("--api", choices=["chat", "completions"], default="chat")
+    v.add_argument("--api", choices=list(ENDPOINTS), default="chat",
+                   help="the endpoint: /v1/chat/completions (default), /v1/completions or /v1/responses")
     v.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
     v.add_argument("--concurrency", type=int, default=1, help="requests in flight at most (default 1; 0: unbounded)")
     v.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default inf)")

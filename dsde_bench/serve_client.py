@@ -7,8 +7,11 @@ Poisson request rate; figures named as `vllm bench serve` names them (see metric
 Each request is one streamed `/v1/chat/completions` (default; the server applies the chat template) or
 `/v1/completions` call with model, messages|prompt, max_tokens, temperature, stream=true and
 stream_options.include_usage (token counts come from the final usage chunk; when a server sends none, content
-chunks are counted instead and the result says so). TTFT is measured to the first chunk that carries text; ITL
-is the gap between consecutive text chunks (one speculative step streams several tokens in one chunk).
+chunks are counted instead and the result says so), or (`--api responses`) a streamed `/v1/responses` call with
+model, input, max_output_tokens and temperature (its text in `response.output_text.delta` events, its usage in
+the final `response.completed` or `response.incomplete` event; an `error` or `response.failed` event fails it).
+TTFT is measured to the first chunk that carries text; ITL is the gap between consecutive text chunks (one
+speculative step streams several tokens in one chunk).
 """
 
 from __future__ import annotations
@@ -26,11 +29,14 @@ from dsde_bench.metrics import DEFAULT_PERCENTILES, StreamRecord, serve_metrics
 from dsde_bench.workloads import Prompt
 from dsde_core.errors import ConfigError
 
+ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses"}
+RESPONSE_ENDS = ("response.completed", "response.incomplete")  # the Responses API's last event, with the usage
+
 
 @dataclass(frozen=True)
 class ServeConfig:
     url: str
-    api: str = "chat"  # "chat": /v1/chat/completions, "completions": /v1/completions
+    api: str = "chat"  # "chat": /v1/chat/completions, "completions": /v1/completions, "responses": /v1/responses
     model: str | None = None  # None: the first model of GET /v1/models
     max_tokens: int = 64
     temperature: float = 0.0
@@ -44,8 +50,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"--url must start with http:// or https://, got {self.url!r}")
-        if self.api not in ("chat", "completions"):
-            raise ConfigError(f"api must be 'chat' or 'completions', got {self.api!r}")
+        if self.api not in ENDPOINTS:
+            raise ConfigError(f"api must be one of {', '.join(map(repr, ENDPOINTS))}, got {self.api!r}")
         if self.max_tokens < 1:
             raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.concurrency is not None and self.concurrency < 1:
@@ -57,7 +63,7 @@ class ServeConfig:
 
     @property
     def endpoint(self) -> str:
-        return "/v1/chat/completions" if self.api == "chat" else "/v1/completions"
+        return ENDPOINTS[self.api]
 
 
 def arrival_times(n: int, rate: float, seed: int) -> list[float]:
@@ -73,8 +79,10 @@ def arrival_times(n: int, rate: float, seed: int) -> list[float]:
 
 
 def request_body(cfg: ServeConfig, model: str, text: str, seed: int) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature,
-                            "stream": True, "stream_options": {"include_usage": True}, "seed": seed}
+    body: dict[str, Any] = {"model": model, "temperature": cfg.temperature, "stream": True, "seed": seed}
+    if cfg.api == "responses":
+        return body | {"input": text, "max_output_tokens": cfg.max_tokens}
+    body |= {"max_tokens": cfg.max_tokens, "stream_options": {"include_usage": True}}
     if cfg.api == "chat":
         body["messages"] = [{"role": "user", "content": text}]
     else:
@@ -82,8 +90,32 @@ def request_body(cfg: ServeConfig, model: str, text: str, seed: int) -> dict[str
     return body
 
 
+def chunk_usage(obj: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """A chunk's usage (as prompt_tokens / completion_tokens) and speculation counts, where it carries them: a
+    completions or chat chunk's own, or the response in the Responses API's last event."""
+    if obj.get("type") not in RESPONSE_ENDS:
+        return obj.get("usage"), obj.get("speculation")
+    response = obj.get("response") or {}
+    usage = response.get("usage")
+    if usage:
+        usage = {"prompt_tokens": usage.get("input_tokens", 0), "completion_tokens": usage.get("output_tokens", 0)}
+    return usage, response.get("speculation")
+
+
+def chunk_error(obj: dict[str, Any]) -> Any:
+    """A chunk's error, if it is one: a completions or chat error chunk, or the Responses API's `error` or
+    `response.failed` event."""
+    if obj.get("type") == "error":
+        return obj
+    if obj.get("type") == "response.failed":
+        return (obj.get("response") or {}).get("error") or "response.failed"
+    return obj.get("error")
+
+
 def chunk_text(obj: dict[str, Any]) -> str:
-    """The text of one streamed chunk (chat delta content or completion text)."""
+    """The text of one streamed chunk (chat delta content, completion text, a Responses API text delta)."""
+    if obj.get("type") == "response.output_text.delta":
+        return obj.get("delta") or ""
     choices = obj.get("choices") or []
     if not choices:
         return ""
@@ -98,8 +130,8 @@ async def stream_one(client: Any, cfg: ServeConfig, model: str, text: str, seed:
     start = time.perf_counter()
     rec = StreamRecord(start, [], 0)
     chunks = 0
-    usage = None
-    spec = None
+    usage = spec = None
+    ended = cfg.api != "responses"  # a Responses stream ends with its final event (there is no [DONE])
     try:
         async with client.stream("POST", cfg.url.rstrip("/") + cfg.endpoint,
                                  json=request_body(cfg, model, text, seed), timeout=cfg.timeout_s) as resp:
@@ -113,15 +145,18 @@ async def stream_one(client: Any, cfg: ServeConfig, model: str, text: str, seed:
                 if data == "[DONE]":
                     break
                 obj = json.loads(data)
-                if "error" in obj:
-                    return StreamRecord(start, rec.chunk_times, 0, ok=False, error=str(obj["error"])[:300])
+                if (error := chunk_error(obj)) is not None:
+                    return StreamRecord(start, rec.chunk_times, 0, ok=False, error=str(error)[:300])
                 if chunk_text(obj):
                     rec.chunk_times.append(time.perf_counter())
                     chunks += 1
-                usage = obj.get("usage") or usage
-                spec = obj.get("speculation") or spec
+                last_usage, last_spec = chunk_usage(obj)
+                usage, spec = last_usage or usage, last_spec or spec
+                ended = ended or obj.get("type") in RESPONSE_ENDS
     except Exception as e:  # network errors, timeouts, bad JSON: a failed request, not a failed benchmark
         return StreamRecord(start, rec.chunk_times, 0, ok=False, error=f"{type(e).__name__}: {e}")
+    if not ended:
+        return StreamRecord(start, rec.chunk_times, 0, ok=False, error="the stream ended before its final event")
     rec.output_tokens = int(usage["completion_tokens"]) if usage else chunks
     rec.prompt_tokens = int(usage["prompt_tokens"]) if usage else 0
     rec.usage_reported = usage is not None

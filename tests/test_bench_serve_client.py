@@ -19,7 +19,26 @@ def _sse(objs: list[dict]) -> bytes:
     return "".join(f"data: {json.dumps(o)}\n\n" for o in objs).encode() + b"data: [DONE]\n\n"
 
 
-def fake_server(seen: list[dict], fail_on: str | None = None, usage: bool = True, key: str | None = None):
+def _events(objs: list[dict]) -> bytes:
+    """The Responses API's framing: each event named, no [DONE]."""
+    return "".join(f"event: {o['type']}\ndata: {json.dumps(o)}\n\n" for o in objs).encode()
+
+
+def responses_stream(pieces: list[str], usage: bool, end: str | None = "response.incomplete") -> bytes:
+    """A /v1/responses stream as OpenAI's (and this server's) events: text deltas, then `end` with the response."""
+    events: list[dict] = [{"type": "response.created", "response": {"status": "in_progress"}}]
+    events += [{"type": "response.output_text.delta", "delta": p} for p in pieces]
+    response = {"status": "incomplete", "speculation": {"drafted": 8, "accepted": 6, "mean_sl": 4.0}}
+    if usage:
+        response["usage"] = {"input_tokens": 7, "output_tokens": 9, "total_tokens": 16}
+    if end == "response.failed":
+        response = {"status": "failed", "error": {"code": "unavailable", "message": "the target is down"}}
+        events.append({"type": "error", "code": "unavailable", "message": "the target is down"})
+    return _events(events + ([{"type": end, "response": response}] if end else []))
+
+
+def fake_server(seen: list[dict], fail_on: str | None = None, usage: bool = True, key: str | None = None,
+                end: str | None = "response.incomplete"):
     def handler(request: httpx.Request) -> httpx.Response:
         if key is not None and request.headers.get("authorization") != f"Bearer {key}":
             return httpx.Response(401, json={"error": {"message": "bad key", "type": "authentication_error"}})
@@ -27,11 +46,14 @@ def fake_server(seen: list[dict], fail_on: str | None = None, usage: bool = True
             return httpx.Response(200, json={"object": "list", "data": [{"id": "fake-model"}]})
         body = json.loads(request.content)
         seen.append({"path": request.url.path, **body})
-        text = body["messages"][0]["content"] if "messages" in body else body["prompt"]
+        text = body["messages"][0]["content"] if "messages" in body else body.get("prompt", body.get("input"))
         if fail_on and fail_on in text:
             return httpx.Response(400, json={"error": {"message": "bad", "type": "invalid_request_error"}})
         chat = request.url.path.endswith("chat/completions")
         pieces = ["def ", "f(x):", "\n    return x"]
+        if request.url.path == "/v1/responses":
+            return httpx.Response(200, content=responses_stream(pieces, usage, end),
+                                  headers={"content-type": "text/event-stream"})
         chunks: list[dict] = []
         if chat:
             chunks.append({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
@@ -47,7 +69,7 @@ def fake_server(seen: list[dict], fail_on: str | None = None, usage: bool = True
     return httpx.MockTransport(handler)
 
 
-@pytest.mark.parametrize("api", ["chat", "completions"])
+@pytest.mark.parametrize("api", ["chat", "completions", "responses"])
 def test_streams_and_reports_vllm_names(api: str) -> None:
     seen: list[dict] = []
     cfg = ServeConfig(url="http://fake:8000", api=api, max_tokens=9, concurrency=2)
@@ -61,10 +83,11 @@ def test_streams_and_reports_vllm_names(api: str) -> None:
                 "mean_tpot_ms", "request_throughput", "output_throughput"):
         assert key in m and not math.isnan(m[key])
     assert all(r["chunks"] == 3 for r in res["requests"])  # the empty role chunk is not a token
-    path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
-    assert all(s["path"] == path and s["stream"] and s["max_tokens"] == 9 and s["model"] == "fake-model"
-               for s in seen)
-    assert all(("messages" in s) == (api == "chat") for s in seen)
+    path = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses"}[api]
+    bound = "max_output_tokens" if api == "responses" else "max_tokens"
+    assert all(s["path"] == path and s["stream"] and s[bound] == 9 and s["model"] == "fake-model" for s in seen)
+    assert all(("messages" in s) == (api == "chat") and ("input" in s) == (api == "responses") for s in seen)
+    assert all(("stream_options" in s) == (api != "responses") for s in seen)  # OpenAI's Responses API has none
 
 
 def test_failed_requests_are_counted_not_raised() -> None:
@@ -74,10 +97,19 @@ def test_failed_requests_are_counted_not_raised() -> None:
     assert "HTTP 400" in res["errors"][0]
 
 
-def test_without_usage_chunks_are_counted() -> None:
-    cfg = ServeConfig(url="http://fake:8000", model="fake-model")
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_without_usage_chunks_are_counted(api: str) -> None:
+    cfg = ServeConfig(url="http://fake:8000", model="fake-model", api=api)
     res = run_serve_sync(PROMPTS[:2], cfg, transport=fake_server([], usage=False))
     assert res["metrics"]["total_output_tokens"] == 6 and "content chunks" in res["token_counts"]
+
+
+@pytest.mark.parametrize(("end", "says"), [("response.failed", "the target is down"),
+                                           (None, "the stream ended before its final event")])
+def test_a_responses_stream_that_fails_or_stops_short_is_a_failed_request(end: str | None, says: str) -> None:
+    cfg = ServeConfig(url="http://fake:8000", model="fake-model", api="responses")
+    res = run_serve_sync(PROMPTS[:2], cfg, transport=fake_server([], end=end))
+    assert res["metrics"]["completed"] == 0 and res["metrics"]["failed"] == 2 and says in res["errors"][0]
 
 
 def test_poisson_arrivals() -> None:
@@ -93,12 +125,15 @@ def test_config_and_bodies() -> None:
         ServeConfig(url="localhost:8000")
     with pytest.raises(ConfigError):
         ServeConfig(url="http://x", request_rate=0)
-    with pytest.raises(ConfigError):
-        ServeConfig(url="http://x", api="responses")
+    with pytest.raises(ConfigError, match="api must be one of 'chat', 'completions', 'responses', got 'embeddings'"):
+        ServeConfig(url="http://x", api="embeddings")
     b = request_body(ServeConfig(url="http://x", api="completions", temperature=1.0), "m", "hi", 3)
     assert b["prompt"] == "hi" and b["temperature"] == 1.0 and b["stream_options"] == {"include_usage": True}
     assert chunk_text({"choices": [{"delta": {"content": "a"}}]}) == "a"
     assert chunk_text({"choices": [{"text": "b"}]}) == "b" and chunk_text({"choices": []}) == ""
+    assert chunk_text({"type": "response.output_text.delta", "delta": "c"}) == "c"
+    b = request_body(ServeConfig(url="http://x", api="responses"), "m", "hi", 3)
+    assert b == {"model": "m", "temperature": 0.0, "stream": True, "seed": 3, "input": "hi", "max_output_tokens": 64}
 
 
 def test_free_port_hands_out_distinct_bindable_ports_outside_the_ephemeral_range() -> None:

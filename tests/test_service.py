@@ -431,6 +431,31 @@ def test_responses_api_through_the_openai_client(tiny_app: App, reference_llm: S
         client.responses.retrieve(res.id)
 
 
+@pytest.mark.parametrize("api", ["chat", "completions", "responses"])
+def test_dsde_bench_url_reads_each_api_of_the_service(tiny_app: App, reference_llm: SpeculativeLLM, api: str) -> None:
+    """`dsde bench --url --api API` against the service: every request completes, its token counts are the ones the
+    same request gets unstreamed (the server's usage, read from each API's own last chunk or event), and the
+    speculation counts come through."""
+    from dsde_bench.serve_client import ServeConfig, run_serve_sync
+    from dsde_bench.workloads import Prompt
+
+    texts = ["Write a haiku about the sea.", "def add(a, b):", "Name three colours."]
+    res = run_serve_sync([Prompt("chat", f"p{i}", t) for i, t in enumerate(texts)],
+                         ServeConfig(url=tiny_app.base, api=api, max_tokens=10, concurrency=2))
+    m = res["metrics"]
+    assert m["completed"] == 3 and m["failed"] == 0 and res["model"] == MODEL, res["errors"]
+    assert res["token_counts"] == "server usage" and m["acceptance_rate"] >= 0 and m["mean_sl"] >= 0
+    client, chat = tiny_app.client(), api != "completions"
+    for text, record in zip(texts, res["requests"], strict=True):
+        if api == "completions":
+            usage = client.completions.create(model=MODEL, prompt=text, max_tokens=10, temperature=0).usage
+        else:
+            usage = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}],
+                                                   max_tokens=10, temperature=0).usage
+        assert record["ok"] and record["output_tokens"] == usage.completion_tokens and record["chunks"] >= 1
+    assert m["total_input_tokens"] == sum(len(reference_llm.encode(t, chat=chat)) for t in texts)
+
+
 def test_raw_sse_framing(tiny_app: App) -> None:
     import httpx
 
