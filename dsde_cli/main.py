@@ -11,6 +11,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
+from dsde_core import __version__
 from dsde_core import cli as core_cli
 from dsde_core.models.loader import DEFAULT_DRAFT, DEFAULT_TARGET
 from dsde_core.policies import POLICY_NAMES
@@ -122,6 +123,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsde", description="DSDE speculative decoding: in-process or as a service")
+    p.add_argument("--version", action="version", version=f"dsde {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     handlers = core_cli.add_commands(sub)
     _add_serve(sub)

@@ -122,3 +122,22 @@ def test_a_command_ends_in_a_status_never_a_traceback(capsys) -> None:
     assert dsde_main.main(["generate", "hi", "--max-tokens", "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("dsde: error:") and "max_tokens" in err and "Traceback" not in err
+
+
+def test_version_is_one_number_everywhere(capsys) -> None:
+    """`dsde --version` (and the service's GET /version) say dsde_core's version, which is the package's
+    (pyproject.toml) and the Helm chart's appVersion."""
+    import tomllib
+    from pathlib import Path
+
+    import yaml
+
+    import dsde_core
+    from dsde_cli import main as dsde_main
+
+    root = Path(__file__).resolve().parents[1]
+    with pytest.raises(SystemExit) as done:
+        dsde_main.main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"dsde {dsde_core.__version__}\n"
+    assert tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"] == dsde_core.__version__
+    assert yaml.safe_load((root / "helm/dsde/Chart.yaml").read_text())["appVersion"] == dsde_core.__version__

@@ -624,6 +624,21 @@ def test_bad_input_gets_an_openai_style_4xx(tiny_app: App, route: str, body: dic
     assert "Traceback" not in err["error"]["message"]
 
 
+@pytest.mark.parametrize(("route", "body", "param"), [
+    ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),  # a field's own bound
+    ("completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),  # model-level
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ("responses", {"input": "x", "text": {"format": {"type": "json_object"}}}, "text.format"),
+    ("responses", {"input": ["x", {"role": "user", "content": [{"type": "input_image"}]}]}, "input.1.content"),
+    ("responses", {"input": "x", "max_output_tokens": 2000}, "max_output_tokens"),  # the engine's context check
+])
+def test_a_400_names_the_field_at_fault_in_param(tiny_app: App, route: str, body: dict, param: str) -> None:
+    """OpenAI's error body names the field in `param`, which clients show (openai.BadRequestError.param)."""
+    with pytest.raises(openai.BadRequestError) as e:
+        tiny_app.client().post(f"/{route}", body={"model": MODEL, **body}, cast_to=object)
+    assert e.value.param == param, e.value.body
+
+
 def test_malformed_json_and_unknown_route(tiny_app: App) -> None:
     code, err = http_post(f"{tiny_app.v1}/completions", None, raw=b"{not json")
     assert code == 400 and err["error"]["type"] == "invalid_request_error"
