@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -91,6 +92,24 @@ def stop_session(proc: subprocess.Popen, grace: float = 30) -> None:
     for pid in session_pids(proc.pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def start_dsde_serve(*flags: str) -> tuple[subprocess.Popen, list[str], threading.Thread]:
+    """`dsde serve FLAGS` in a session of its own, ready: its process, its output lines so far (a thread goes on
+    reading them) and that thread. A start that fails stops the session and fails with the output."""
+    proc = subprocess.Popen([str(BIN / "dsde"), "serve", *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=ray_env(), start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        wait_for(lambda: any("ready" in line for line in lines) or proc.poll() is not None, 300, interval=1,
+                 what="dsde serve to be ready")
+        assert proc.poll() is None, "".join(lines)
+    except BaseException:
+        stop_session(proc, grace=10)
+        raise
+    return proc, lines, reader
 
 
 @dataclass

@@ -781,15 +781,8 @@ def test_draft_worker_obeys_the_stop_rule() -> None:
     assert propose(1e-6) == [6, 6, 4]
 
 
-class _Toggle(SpeculationPolicy):
-    """k = 3, except k = 0 on plan numbers in `off`."""
-
-    def __init__(self, off: range) -> None:
-        self.off, self.n = off, 0
-
-    def plan(self, seqs, costs=None, waiting=0):
-        self.n += 1
-        return [Plan(0 if self.n in self.off else min(3, s.max_k)) for s in seqs]
+class _Stateless(SpeculationPolicy):
+    """A scripted policy's plan alone: it tracks nothing."""
 
     def observe(self, feedback):
         pass
@@ -799,6 +792,17 @@ class _Toggle(SpeculationPolicy):
 
     def num_tracked(self):
         return 0
+
+
+class _Toggle(_Stateless):
+    """k = 3, except k = 0 on plan numbers in `off`."""
+
+    def __init__(self, off: range) -> None:
+        self.off, self.n = off, 0
+
+    def plan(self, seqs, costs=None, waiting=0):
+        self.n += 1
+        return [Plan(0 if self.n in self.off else min(3, s.max_k)) for s in seqs]
 
 
 def test_draft_cache_does_not_go_stale_while_speculation_is_off() -> None:
@@ -828,7 +832,7 @@ def test_draft_cache_does_not_go_stale_while_speculation_is_off() -> None:
     assert accepted_now == matches  # the never-off draft's acceptance at this position
 
 
-class _PerRequestOff(SpeculationPolicy):
+class _PerRequestOff(_Stateless):
     """Applies the inner toggle to one request only; the others always draft k = 3."""
 
     def __init__(self, inner: _Toggle, req_id: str) -> None:
@@ -837,15 +841,6 @@ class _PerRequestOff(SpeculationPolicy):
     def plan(self, seqs, costs=None, waiting=0):
         toggled = self.inner.plan(seqs, costs, waiting)
         return [t if s.req_id == self.req_id else Plan(min(3, s.max_k)) for s, t in zip(seqs, toggled, strict=True)]
-
-    def observe(self, feedback):
-        pass
-
-    def release(self, req_id):
-        pass
-
-    def num_tracked(self):
-        return 0
 
 
 def test_lone_sequence_catches_up_after_max_lag() -> None:

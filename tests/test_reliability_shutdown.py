@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ops_support import ray_env, session_pids, stop_session
+from tests.ops_support import session_pids, start_dsde_serve, stop_session
 from tests.service_support import free_port, make_tiny_pair, wait_for
 
 httpx = pytest.importorskip("httpx")
@@ -30,22 +30,11 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen, list[str], threading.Threa
     thread goes on reading them), that thread and the base URL."""
     target, draft = make_tiny_pair(tmp_path / "models")
     port, metrics_port = free_port(), free_port()
-    cmd = [str(BIN / "dsde"), "serve", "--draft", str(draft), "--target", str(target), "--model-name", "tiny",
-           "--dtype", "float32", "--max-batch-size", "4", "--max-seq-len", "1024", "--threads", "1",
-           "--port", str(port), "--metrics-port", str(metrics_port), "--num-cpus", "2", "--api-key", KEY,
-           "--prometheus-sd", "none"]  # leave the machine's /tmp/ray alone
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ray_env(),
-                            start_new_session=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
-    reader.start()
-    try:
-        wait_for(lambda: any("ready" in line for line in lines) or proc.poll() is not None, 300, interval=1,
-                 what="dsde serve to be ready")
-    except BaseException:
-        stop_session(proc, grace=10)
-        raise
-    assert proc.poll() is None, "".join(lines)
+    proc, lines, reader = start_dsde_serve(
+        "--draft", str(draft), "--target", str(target), "--model-name", "tiny", "--dtype", "float32",
+        "--max-batch-size", "4", "--max-seq-len", "1024", "--threads", "1", "--port", str(port),
+        "--metrics-port", str(metrics_port), "--num-cpus", "2", "--api-key", KEY,
+        "--prometheus-sd", "none")  # leave the machine's /tmp/ray alone
     return proc, lines, reader, f"http://127.0.0.1:{port}"
 
 

@@ -15,7 +15,6 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from tests.ops_support import (
     ray_env,
     ray_head,
     session_pids,
+    start_dsde_serve,
     stop_session,
 )
 from tests.service_support import free_port, http_get, http_post, make_tiny_pair, wait_for
@@ -98,18 +98,11 @@ def test_dsde_serve_answers_is_scraped_and_stops_cleanly_on_sigterm(tiny_models:
     target, draft = tiny_models
     port, metrics_port = free_port(), free_port()
     sd_file = tmp_path / "sd.json"  # not Ray's own under /tmp/ray: this test must not touch the machine's
-    cmd = [str(BIN / "dsde"), "serve", "--draft", str(draft), "--target", str(target), "--model-name", "tiny",
-           "--dtype", "float32", "--max-batch-size", "2", "--max-seq-len", "256", "--threads", "1",
-           "--port", str(port), "--metrics-port", str(metrics_port), "--num-cpus", "2", "--prometheus-sd", str(sd_file)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ray_env(),
-                            start_new_session=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
-    reader.start()
+    proc, lines, reader = start_dsde_serve(
+        "--draft", str(draft), "--target", str(target), "--model-name", "tiny", "--dtype", "float32",
+        "--max-batch-size", "2", "--max-seq-len", "256", "--threads", "1", "--port", str(port),
+        "--metrics-port", str(metrics_port), "--num-cpus", "2", "--prometheus-sd", str(sd_file))
     try:
-        wait_for(lambda: any("ready" in line for line in lines) or proc.poll() is not None, 300, interval=1,
-                 what="dsde serve to be ready")
-        assert proc.poll() is None, "".join(lines)
         assert any(f"http://127.0.0.1:{port}/v1" in line for line in lines), "".join(lines)
         code, out = http_post(f"http://127.0.0.1:{port}/v1/chat/completions",
                               {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
