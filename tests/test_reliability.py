@@ -8,7 +8,8 @@ module), with the tiny random-weight Qwen2 pair and the real tokenizer:
   on target-only (its output exact) while the others speculate;
 - a target that does not come back ends each request with a clear error after the configured wait (503 / an error
   event), and Serve replaces the replica, which then answers again;
-- 200 streams cancelled at random points leave no state anywhere (engine, both workers' KV slots, controller);
+- 200 streams (completions, chat and the Responses API in turn) cancelled at random points leave no state anywhere
+  (engine, both workers' KV slots, controller);
 - a full queue answers 429 with Retry-After while the admitted requests complete;
 - the API key, body size and input bounds; schemathesis against the OpenAPI schema: no 5xx, no restart;
 - drain (what SIGTERM does in `dsde serve`): new requests get 503, running ones finish.
@@ -153,7 +154,8 @@ class StreamResult:
 
 async def stream(client: Any, url: str, body: dict[str, Any], headers: dict[str, str] | None = None,
                  first_chunk: asyncio.Event | None = None, stop_after_chunks: int | None = None) -> StreamResult:
-    """POST a streaming completion and read its events; stop_after_chunks: hang up after that many events."""
+    """POST a streaming completion (or a chat completion, or a Responses API request) and read its events;
+    stop_after_chunks: hang up after that many events."""
     async with client.stream("POST", url, json={**body, "stream": True}, headers=headers or AUTH) as r:
         res = StreamResult(r.status_code, headers=dict(r.headers))
         if r.status_code != 200:
@@ -170,14 +172,16 @@ async def stream(client: Any, url: str, body: dict[str, Any], headers: dict[str,
                 break
             event = json.loads(data)
             res.chunks += 1
-            if "error" in event:
-                res.error = event["error"]
+            if "error" in event or event.get("type") == "error":
+                res.error = event.get("error", event)
                 continue
-            choice = event["choices"][0]
-            res.text += choice.get("text") or ""
+            choice = (event.get("choices") or [{}])[0]  # a Responses API event has none: its text is its delta
+            text = choice.get("text") or (choice.get("delta") or {}).get("content") or \
+                (event.get("delta") if event.get("type") == "response.output_text.delta" else "")
+            res.text += text
             res.finish_reason = choice.get("finish_reason") or res.finish_reason
             res.speculation = event.get("speculation") or res.speculation
-            if choice.get("text") and first_chunk is not None:
+            if text and first_chunk is not None:
                 first_chunk.set()
             if stop_after_chunks is not None and res.chunks >= stop_after_chunks:
                 return res
@@ -397,13 +401,16 @@ def test_200_streams_cancelled_at_random_points_leave_no_state(svc: Service) -> 
     plan = [rng.choice([0, 1, 2, 3, 5, 8, 13, None]) for _ in range(200)]  # events before hanging up; None: delay
 
     async def one(client: Any, i: int, sem: asyncio.Semaphore) -> StreamResult:
-        body = {"model": MODEL, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 200, "temperature": 0.7,
-                "seed": i}
+        body, prompt = {"model": MODEL, "temperature": 0.7, "seed": i}, PROMPTS[i % len(PROMPTS)]
+        route, body = [  # the three APIs in turn: each streams through its own loop in the ingress
+            ("completions", body | {"prompt": prompt, "max_tokens": 200}),
+            ("chat/completions", body | {"messages": [{"role": "user", "content": prompt}], "max_tokens": 200}),
+            ("responses", body | {"input": prompt, "max_output_tokens": 200})][i % 3]
         async with sem:
             if plan[i] is not None:
-                return await stream(client, f"{svc.v1}/completions", body, stop_after_chunks=plan[i])
+                return await stream(client, f"{svc.v1}/{route}", body, stop_after_chunks=plan[i])
             try:  # hang up after a random delay, wherever the request is (waiting, prefill, decoding)
-                return await asyncio.wait_for(stream(client, f"{svc.v1}/completions", body), rng.uniform(0, 0.4))
+                return await asyncio.wait_for(stream(client, f"{svc.v1}/{route}", body), rng.uniform(0, 0.4))
             except TimeoutError:
                 return StreamResult(200)
 
