@@ -90,39 +90,36 @@ def request_body(cfg: ServeConfig, model: str, text: str, seed: int) -> dict[str
     return body
 
 
+# One streamed chunk (a completions or chat chunk, or a Responses API event), read by this client and by the Locust
+# file (load_tests/locustfile.py). A field the format requires and the chunk lacks is a KeyError: a malformed stream.
 def chunk_usage(obj: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """A chunk's usage (as prompt_tokens / completion_tokens) and speculation counts, where it carries them: a
     completions or chat chunk's own, or the response in the Responses API's last event."""
     if obj.get("type") not in RESPONSE_ENDS:
         return obj.get("usage"), obj.get("speculation")
-    response = obj.get("response") or {}
+    response = obj["response"]
     usage = response.get("usage")
     if usage:
-        usage = {"prompt_tokens": usage.get("input_tokens", 0), "completion_tokens": usage.get("output_tokens", 0)}
+        usage = {"prompt_tokens": usage.get("input_tokens", 0), "completion_tokens": usage["output_tokens"]}
     return usage, response.get("speculation")
 
 
 def chunk_error(obj: dict[str, Any]) -> Any:
-    """A chunk's error, if it is one: a completions or chat error chunk, or the Responses API's `error` or
-    `response.failed` event."""
+    """A chunk's error, if it is one: a completions or chat error chunk, or the Responses API's `error` event (its
+    message) or `response.failed` event (its response's error)."""
     if obj.get("type") == "error":
-        return obj
+        return obj.get("message") or obj
     if obj.get("type") == "response.failed":
-        return (obj.get("response") or {}).get("error") or "response.failed"
+        return obj["response"].get("error") or "response.failed"
     return obj.get("error")
 
 
 def chunk_text(obj: dict[str, Any]) -> str:
     """The text of one streamed chunk (chat delta content, completion text, a Responses API text delta)."""
     if obj.get("type") == "response.output_text.delta":
-        return obj.get("delta") or ""
-    choices = obj.get("choices") or []
-    if not choices:
-        return ""
-    c = choices[0]
-    if "delta" in c:
-        return (c.get("delta") or {}).get("content") or ""
-    return c.get("text") or ""
+        return obj["delta"] or ""
+    return "".join(((c.get("delta") or {}).get("content") if "delta" in c else c.get("text")) or ""
+                   for c in obj.get("choices") or [])
 
 
 async def stream_one(client: Any, cfg: ServeConfig, model: str, text: str, seed: int) -> StreamRecord:

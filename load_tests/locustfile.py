@@ -44,6 +44,7 @@ from locust.env import Environment
 from locust.exception import StopUser
 from locust.stats import CSV_STATS_INTERVAL_SEC
 
+from dsde_bench.serve_client import RESPONSE_ENDS, chunk_error, chunk_text, chunk_usage
 from dsde_bench.workloads import load_workload
 from dsde_core.errors import ConfigError, DSDEError
 
@@ -106,26 +107,18 @@ def _load_prompts(environment: Environment, **_: Any) -> None:
     _MODEL[:] = [opts.model] if opts.model else []
 
 
-def _chunk_text(choice: dict[str, Any], chat: bool) -> str:
-    if chat:
-        return (choice.get("delta") or {}).get("content") or ""
-    return choice.get("text") or ""
-
-
-def _read(event: dict[str, Any], api: str) -> tuple[str, int | None, bool, Any]:
-    """One parsed event's text, the completion tokens where it states them, whether it ends the stream, and the error
-    it reports (None: none). Chat and completions end with `data: [DONE]`, read before this."""
-    if api == "responses":
-        kind = event.get("type")
-        if kind in ("error", "response.failed"):
-            return "", None, True, event.get("message") or event["response"].get("error")
-        if kind in ("response.completed", "response.incomplete"):
-            return "", event["response"]["usage"]["output_tokens"], True, None
-        return (event["delta"] if kind == "response.output_text.delta" else ""), None, False, None
-    if "error" in event:
-        return "", None, True, event["error"]
-    tokens = event["usage"]["completion_tokens"] if event.get("usage") else None
-    return "".join(_chunk_text(c, api == "chat") for c in event.get("choices") or []), tokens, False, None
+def _read(event: dict[str, Any]) -> tuple[str, int | None, bool, Any]:
+    """One parsed event's text, the completion tokens where it states them, whether it ends the stream (the Responses
+    API's last event; chat and completions end with `data: [DONE]`, read before this), and the error it reports (None:
+    none); read as `dsde bench --url` reads it (dsde_bench.serve_client). A KeyError: a malformed event."""
+    error = chunk_error(event)
+    if error is not None:
+        return "", None, True, error
+    usage, _ = chunk_usage(event)
+    ends = event.get("type") in RESPONSE_ENDS
+    if ends and usage is None:
+        raise KeyError("usage")  # the Responses API's last event states the output's tokens
+    return chunk_text(event), usage["completion_tokens"] if usage else None, ends, None
 
 
 class OpenAIStreamingUser(HttpUser):
@@ -186,7 +179,7 @@ class OpenAIStreamingUser(HttpUser):
                     if data == "[DONE]" and api != "responses":
                         done = True
                         break
-                    text, stated, ends, error = _read(json.loads(data), api)
+                    text, stated, ends, error = _read(json.loads(data))
                     if error is not None:
                         r.failure(f"error event: {error}")
                         return
