@@ -29,8 +29,10 @@ def is_device(device: object) -> bool:
 
 
 def _check(cond: bool, msg: str) -> None:
+    """ConfigError(msg) unless `cond`; each message leads with the parameter at fault, which the error names as its
+    field (a server's 400 names it in `param`)."""
     if not cond:
-        raise ConfigError(msg)
+        raise ConfigError(msg, msg.split(" ", 1)[0])
 
 
 def _bias_ok(pair: object) -> bool:

@@ -128,21 +128,22 @@ class Engine:
         """ConfigError unless add_request would accept this prompt (a server checks before it starts a stream).
         `bound`: the caller's name for max_tokens, which an error names (an API field, a CLI flag)."""
         if not prompt:
-            raise ConfigError("the prompt is empty: give at least one token")
-        self.check_ids(prompt, "prompt token ids")
-        self.check_ids([t for t, _ in params.logit_bias], "logit_bias token ids")
-        self.check_ids(params.stop_token_ids, "stop_token_ids")
+            raise ConfigError("the prompt is empty: give at least one token", "prompt")
+        self.check_ids(prompt, "prompt token ids", "prompt")
+        self.check_ids([t for t, _ in params.logit_bias], "logit_bias token ids", "logit_bias")
+        self.check_ids(params.stop_token_ids, "stop_token_ids", "stop_token_ids")
         need = len(prompt) + params.max_tokens
         if need > self.config.max_seq_len:
             raise ConfigError(
                 f"prompt ({len(prompt)} tokens) + {bound} ({params.max_tokens}) = {need} exceeds the "
-                f"context window of {self.config.max_seq_len} tokens"
+                f"context window of {self.config.max_seq_len} tokens", bound
             )
 
-    def check_ids(self, ids: Sequence[int], what: str) -> None:
-        """ConfigError naming `what` unless every id is inside the vocabulary (when the engine knows its size)."""
+    def check_ids(self, ids: Sequence[int], what: str, field: str | None = None) -> None:
+        """ConfigError naming `what` (its `field`: the input at fault) unless every id is inside the vocabulary (when
+        the engine knows its size)."""
         if self.vocab_size is not None and not all(0 <= t < self.vocab_size for t in ids):
-            raise ConfigError(f"{what} must be in [0, {self.vocab_size})")
+            raise ConfigError(f"{what} must be in [0, {self.vocab_size})", field)
 
     def cancel(self, req_id: str) -> bool:
         """Thread-safe; the request ends (and frees its slot and state) at the start of the next step. False, a

@@ -6,7 +6,12 @@ class DSDEError(Exception):
 
 
 class ConfigError(DSDEError, ValueError):
-    """A configuration or request parameter is out of range."""
+    """A configuration or request parameter is out of range. `field`: the request's input at fault, where one is
+    ("prompt", "logit_bias", "stop_token_ids" or the caller's name for max_tokens), for a server to name it."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class ModelLoadError(DSDEError):

@@ -554,12 +554,12 @@ class DSDEServer:
         room = self.cfg.max_seq_len - len(ids)
         if body.max_tokens is None and room < 1:
             raise APIError(400, f"{which}the prompt ({len(ids)} tokens) leaves no room in the context window of "
-                                f"{self.cfg.max_seq_len} tokens", "messages")
+                                f"{self.cfg.max_seq_len} tokens", body.PROMPT_FIELD)
         try:
             params = body.sampling(body.max_tokens or room)
             self.engine.validate(ids, params, body.tokens_field)  # empty prompt, ids, prompt + bound > context
-        except ConfigError as e:
-            raise APIError(400, which + str(e), body.tokens_field if "context window" in str(e) else None) from None
+        except ConfigError as e:  # e.field: the engine's name for the input at fault, "prompt" this endpoint's
+            raise APIError(400, which + str(e), body.PROMPT_FIELD if e.field == "prompt" else e.field) from None
         return params
 
     def _admit(self, n: int = 1) -> None:

@@ -112,9 +112,12 @@ def describe_invalid(errors: list[dict[str, Any]], content_type: str = "applicat
         return f"the request body must be a JSON object, got {JSON_KINDS.get(type(given), 'something else')}", None
     parts, param = [], None
     for err in errors:
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-        param = param or loc or getattr(err.get("ctx", {}).get("error"), "param", None)
+        where = [str(x) for x in err.get("loc", ()) if x != "body"]
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        if where[-1:] == ["[key]"]:  # a mapping's key at fault: pydantic locates it at (field, key, "[key]")
+            where, msg = where[:-2], f"key {where[-2]!r}: {msg}"
+        loc = ".".join(where)
+        param = param or loc or getattr(err.get("ctx", {}).get("error"), "param", None)
         parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(parts) or "invalid request body", param
 
@@ -139,6 +142,7 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
     TOKENS_ALIAS: ClassVar[str | None] = None  # the endpoint's own name for max_tokens, which it also takes
+    PROMPT_FIELD: ClassVar[str] = "prompt"  # the field the prompt's tokens come from, which an error about them names
 
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
@@ -321,6 +325,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     TOKENS_ALIAS: ClassVar[str | None] = "max_completion_tokens"
+    PROMPT_FIELD: ClassVar[str] = "messages"
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
@@ -393,6 +398,7 @@ class ResponsesRequest(_Common):
     and background runs are a 400, never ignored."""
 
     TOKENS_ALIAS: ClassVar[str | None] = "max_output_tokens"
+    PROMPT_FIELD: ClassVar[str] = "input"
 
     input: Annotated[str | list[InputMessage], one_of("a string or a list of messages {role, content}")]
     instructions: str | None = None
@@ -494,7 +500,7 @@ class TokenizeRequest(BaseModel):
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give either prompt or messages")
+            raise Refused("prompt" if self.messages is None else "messages", "give either prompt or messages")
         return self
 
 

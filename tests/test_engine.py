@@ -251,15 +251,18 @@ def test_temperature_sampling_is_seeded_and_accepts_an_identical_draft() -> None
     assert r1.stats.acceptance_rate > 0.95  # p == q up to rounding: min(1, p/q) ~ 1
 
 
-@pytest.mark.parametrize(("prompt", "params"), [
-    ([], SamplingParams()),
-    ([VOCAB + 5], SamplingParams()),
-    (list(range(50)), SamplingParams(max_tokens=250)),  # 50 + 250 > max_seq_len 256
+@pytest.mark.parametrize(("prompt", "params", "field"), [
+    ([], SamplingParams(), "prompt"),
+    ([VOCAB + 5], SamplingParams(), "prompt"),
+    ([1], SamplingParams(logit_bias=((VOCAB, 1.0),)), "logit_bias"),
+    ([1], SamplingParams(stop_token_ids=(VOCAB,)), "stop_token_ids"),
+    (list(range(50)), SamplingParams(max_tokens=250), "max_tokens"),  # 50 + 250 > max_seq_len 256
 ])
-def test_bad_requests_are_refused_with_a_clear_error(prompt, params) -> None:
+def test_bad_requests_are_refused_with_a_clear_error(prompt, params, field) -> None:
     engine = tiny_engine("dsde", batch=1)
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError) as e:
         engine.add_request(prompt, params)
+    assert e.value.field == field  # the input at fault, which a server names (the API's `param`)
     assert not engine.has_unfinished()
 
 

@@ -256,7 +256,7 @@ def test_the_schema_states_the_served_model_the_context_window_and_the_vocabular
 def test_the_tokenize_schema_accepts_exactly_the_bodies_the_endpoint_accepts() -> None:
     """/tokenize takes a prompt or messages, not both and not neither: its schema's oneOf says what its validator
     checks (schemathesis' bodies were mostly refused while the schema allowed both and neither)."""
-    from services.protocol import TokenizeRequest
+    from services.protocol import TokenizeRequest, describe_invalid
     from tests.service_support import schema_verdicts
 
     msgs = [{"role": "user", "content": "hi"}]
@@ -264,6 +264,10 @@ def test_the_tokenize_schema_accepts_exactly_the_bodies_the_endpoint_accepts() -
               {"prompt": None, "messages": msgs}, {}, {"prompt": "hi", "messages": msgs}, {"prompt": None},
               {"prompt": None, "messages": None}]
     assert sum(schema_verdicts(TokenizeRequest, [{"model": "m", **b} for b in bodies])) == 4
+    for body, param in (({}, "prompt"), ({"prompt": "hi", "messages": msgs}, "messages")):  # the error's `param`
+        with pytest.raises(ValidationError) as e:
+            TokenizeRequest(model="m", **body)
+        assert describe_invalid(e.value.errors()) == ("give either prompt or messages", param)
 
 
 def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token() -> None:

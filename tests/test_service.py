@@ -22,7 +22,7 @@ from dsde_core.detokenize import token_bytes
 from dsde_core.llm import SpeculativeLLM
 from dsde_core.models.loader import load_model
 from services.metrics import METRICS, exported_name
-from tests.service_support import free_port, http_get, http_post, make_tiny_pair, start_ray, wait_for
+from tests.service_support import TINY_VOCAB, free_port, http_get, http_post, make_tiny_pair, start_ray, wait_for
 
 openai = pytest.importorskip("openai")
 ray = pytest.importorskip("ray")
@@ -631,6 +631,18 @@ def test_bad_input_gets_an_openai_style_4xx(tiny_app: App, route: str, body: dic
     ("responses", {"input": "x", "text": {"format": {"type": "json_object"}}}, "text.format"),
     ("responses", {"input": ["x", {"role": "user", "content": [{"type": "input_image"}]}]}, "input.1.content"),
     ("responses", {"input": "x", "max_output_tokens": 2000}, "max_output_tokens"),  # the engine's context check
+    # the engine's other checks name their input too (ConfigError.field), the prompt by the endpoint's own field
+    ("completions", {"prompt": "", "max_tokens": 2}, "prompt"),
+    ("completions", {"prompt": [[1], [TINY_VOCAB]], "max_tokens": 2}, "prompt"),
+    ("completions", {"prompt": "hi", "max_tokens": 2, "logit_bias": {str(TINY_VOCAB): 1}}, "logit_bias"),
+    ("completions", {"prompt": "hi", "max_tokens": 2, "stop_token_ids": [TINY_VOCAB]}, "stop_token_ids"),
+    ("completions", {"prompt": "hi", "max_tokens": 2, "stop_token_ids": [-1]}, "stop_token_ids"),  # SamplingParams'
+    ("completions", {"prompt": "hi", "max_tokens": 2, "logit_bias": {"1": 101}}, "logit_bias"),
+    ("completions", {"prompt": "hi", "max_tokens": 2, "logit_bias": {"x": 1}}, "logit_bias"),  # a key at fault
+    ("completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+    ("completions", {"prompt": [1] * TINY_SEQ_LEN, "max_tokens": None}, "prompt"),  # no room left for output
+    ("chat/completions", {"messages": [{"role": "user", "content": "x " * TINY_SEQ_LEN}]}, "messages"),
+    ("responses", {"input": "x " * TINY_SEQ_LEN}, "input"),
 ])
 def test_a_400_names_the_field_at_fault_in_param(tiny_app: App, route: str, body: dict, param: str) -> None:
     """OpenAI's error body names the field in `param`, which clients show (openai.BadRequestError.param)."""
