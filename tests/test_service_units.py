@@ -252,6 +252,17 @@ def test_a_model_validators_refusal_names_its_field_as_param(body: dict, param: 
     assert named == param and param in message, (message, named)
 
 
+def test_a_mappings_key_at_fault_is_named_by_the_mapping() -> None:
+    """pydantic locates a dict key's error at (field, key, "[key]"); the message names the key, `param` the field."""
+    with pytest.raises(ValidationError) as e:
+        CompletionRequest(model="m", prompt="hi", logit_bias={"x": 1})
+    assert describe_invalid(e.value.errors()) == (
+        "logit_bias: key 'x': Input should be a valid integer, unable to parse string as an integer", "logit_bias")
+    with pytest.raises(ValidationError) as e:
+        CompletionRequest(model="m", prompt="hi", logit_bias={"5": "much"})  # a value: its own location
+    assert describe_invalid(e.value.errors())[1] == "logit_bias.5"
+
+
 BAD_BODIES = [  # (raw body, Content-Type, what the message must say, param)
     (b"{", "application/json", "not valid JSON (Expecting property name enclosed in double quotes at character 1)",
      None),
