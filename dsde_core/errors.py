@@ -6,8 +6,9 @@ class DSDEError(Exception):
 
 
 class ConfigError(DSDEError, ValueError):
-    """A configuration or request parameter is out of range. `field`: the request's input at fault, where one is
-    ("prompt", "logit_bias", "stop_token_ids" or the caller's name for max_tokens), for a server to name it."""
+    """A configuration or request parameter is out of range. `field`: the parameter or input at fault, where one is
+    (a config or SamplingParams field; from Engine.validate "prompt", "logit_bias", "stop_token_ids" or the caller's
+    name for max_tokens), for a server to name it."""
 
     def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(message)
