@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 import torch
 
+from dsde_bench.serve_client import chunk_text
 from dsde_core.config import EngineConfig, SamplingParams
 from dsde_core.llm import SpeculativeLLM
 from dsde_core.models.loader import load_model
@@ -175,10 +176,9 @@ async def stream(client: Any, url: str, body: dict[str, Any], headers: dict[str,
             if "error" in event or event.get("type") == "error":
                 res.error = event.get("error", event)
                 continue
-            choice = (event.get("choices") or [{}])[0]  # a Responses API event has none: its text is its delta
-            text = choice.get("text") or (choice.get("delta") or {}).get("content") or \
-                (event.get("delta") if event.get("type") == "response.output_text.delta" else "")
+            text = chunk_text(event)  # a completion's text, a chat delta's content or a Responses API text delta
             res.text += text
+            choice = (event.get("choices") or [{}])[0]  # a Responses API event has none
             res.finish_reason = choice.get("finish_reason") or res.finish_reason
             res.speculation = event.get("speculation") or res.speculation
             if text and first_chunk is not None:
