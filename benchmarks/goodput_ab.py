@@ -7,16 +7,16 @@
 A policy spec `dsde-goodput@REV` is the policy as it was at git revision REV (its module,
 dsde_core/policies/goodput.py, read with `git show` and loaded beside today's; everything else is today's). Each
 cell runs as `dsde bench` runs it (the embedded pair in-process, its prompts and seeds, --warm-requests 4 for a
-policy that learns across requests, round-robin rounds with new seeds at T > 0, the closed-loop driver that keeps
---batch requests in flight; the engine has --batch KV slots unless --max-batch gives more, as `dsde bench` loads
-one engine for its largest batch size). The table prints each policy's median wall time and its tokens/s against
-target-only decoding ("off"), with every round's wall time and its ratio to the first spec's run of the same round:
-compare the ratios, not the seconds (a shared machine). Then where each policy's time went, medians over its rounds
-(`phases`): steps that fed a prompt, decode steps at the full batch that drafted and that did not, and the batch's
-tail (decode steps at a smaller batch), each with its draft and target seconds, the tokens it emitted and ms a
-token. A run that drafted nothing ran the first spec's forwards when that is "off": its ratio is the machine's
-noise. --out keeps, beside the walls, every run's steps as bench.json keeps them (dsde_bench.metrics.StepRow).
-"""
+policy that learns across requests, round-robin rounds (every other one reversed) with new seeds at T > 0, the
+closed-loop driver that keeps --batch requests in flight; the engine has --batch KV slots unless --max-batch gives
+more, as `dsde bench` loads one engine for its largest batch size). The table prints each policy's median wall time
+and its tokens/s against target-only decoding ("off"), with every round's wall time and its ratio to the first
+spec's run of the same round: compare the ratios, not the seconds (a shared machine). Then where each policy's time
+went, medians over its rounds (`phases`): steps that fed a prompt, decode steps at the full batch that drafted and
+that did not, and the batch's tail (decode steps at a smaller batch), each with its draft and target seconds, the
+tokens it emitted and ms a token. A run that drafted nothing ran the first spec's forwards when that is "off": its
+ratio is the machine's noise. --out keeps, beside the walls, every run's steps as bench.json keeps them
+(dsde_bench.metrics.StepRow). """
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ from pathlib import Path
 from dsde_bench.backend import Backend, load_backend
 from dsde_bench.metrics import StepRow
 from dsde_bench.provenance import code_version, run_meta
-from dsde_bench.runner import WARM_SEED_OFFSET, Warmup, drive, other_prompts, round_seed, run_cell, sampling_params
+from dsde_bench.rounds import round_policies, round_seed
+from dsde_bench.runner import WARM_SEED_OFFSET, Warmup, drive, other_prompts, run_cell, sampling_params
 from dsde_bench.workloads import DEFAULT_MAX_CHARS, load_workload
 from dsde_core.config import SamplingParams
 from dsde_core.errors import ConfigError
@@ -180,14 +181,14 @@ def main() -> None:
     tokens = args.num_prompts * args.max_tokens
     for rnd in range(args.rounds):
         params = cell.params(args, rnd)
-        for s in specs:
+        for s in round_policies(specs, rnd, "alternate"):  # every other round reversed, as dsde bench's
             run = run_cell(backend.engine, build(s), ids, pids, params, args.batch, watch=0, warm=warm)
             walls[s].append(run.wall_s)
             steps[s].append([x.row() for x in run.steps])
-            drafted = sum(x.draft_calls > 0 for x in run.steps)
-            print(f"round {rnd} {s:28} {run.wall_s:7.2f} s {tokens / run.wall_s:6.2f} tok/s  "
-                  f"{walls[specs[0]][rnd] / run.wall_s:5.3f}x  drafted in {drafted} of {len(run.steps)} steps",
-                  flush=True)
+        for s in specs:
+            wall, drafted = walls[s][rnd], sum(StepRow(*row).calls > 0 for row in steps[s][rnd])
+            print(f"round {rnd} {s:28} {wall:7.2f} s {tokens / wall:6.2f} tok/s  {walls[specs[0]][rnd] / wall:5.3f}x  "
+                  f"drafted in {drafted} of {len(steps[s][rnd])} steps", flush=True)
     base = statistics.median(walls[specs[0]])
     print(f"\n{args.workload} T={args.temperature:g} b{args.batch} on an engine of "
           f"{backend.engine.config.max_batch_size} slots, {args.num_prompts} prompts x {args.max_tokens} "

@@ -29,6 +29,7 @@ from typing import Any
 
 from dsde_bench import provenance
 from dsde_bench.probe import PROBE_FORWARDS
+from dsde_bench.rounds import ROUND_ORDERS
 from dsde_bench.serve_client import ENDPOINTS
 from dsde_bench.workloads import DEFAULT_MAX_CHARS, load_workload, parse_workloads
 from dsde_core.errors import ConfigError, DSDEError
@@ -97,6 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "in-process grid only, with --no-anchor)")
     g.add_argument("--repeats", type=int, default=1, help="runs per cell, the median run kept (default 1); at T > 0 "
                    "each round samples with new seeds, the same for every policy")
+    g.add_argument("--round-order", choices=ROUND_ORDERS, default="alternate",
+                   help="the policies' order in a repeated cell's rounds: alternate (every other round reversed, so a "
+                        "drift within a round does not fall on the last policy every round; the default) or fixed")
     g.add_argument("--warm-requests", type=int, default=0,
                    help="a policy that learns across requests (dsde-goodput) first serves this many other prompts of "
                         "the workload, untimed: the steady state of a server (default 0: a cold start per cell); "
@@ -202,7 +206,7 @@ _GRID, _SIM, _URL = "the in-process grid", "--simulate", "--url"
 _MODELS = ("--draft", "--target", "--dtype", "--max-sl", "--max-seq-len", "--threads", "--draft-noise", "--tiny")
 _READ_BY: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("--policies", "--batch-sizes", "--anchor", "--no-anchor", "--ignore-eos", "--length-spread",
-                     "--repeats", "--probe-forwards", "--draft-window"), (_GRID,)),
+                     "--repeats", "--round-order", "--probe-forwards", "--draft-window"), (_GRID,)),
     **dict.fromkeys(("--full", "--warm-requests", *_MODELS), (_GRID, _SIM)),
     "--temperatures": (_GRID, _URL),
     **dict.fromkeys(("--profiles", "--costs", "--sim-policies", "--sim-batch-sizes", "--sim-requests", "--sim-closed",
@@ -341,7 +345,8 @@ def _grid_config(args: argparse.Namespace) -> Any:
         num_prompts=args.num_prompts or (FULL_GRID["num_prompts"] if full else 4),
         max_tokens=args.max_tokens or (FULL_GRID["max_tokens"] if full else 32),
         seed=args.seed, max_chars=args.max_chars, anchor=tuple(anchor), ignore_eos=args.ignore_eos,
-        repeats=args.repeats, warm_requests=args.warm_requests, length_spread=args.length_spread,
+        repeats=args.repeats, round_order=args.round_order, warm_requests=args.warm_requests,
+        length_spread=args.length_spread,
         probe_forwards=PROBE_FORWARDS if args.probe_forwards is None else args.probe_forwards)
 
 

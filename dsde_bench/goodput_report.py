@@ -66,6 +66,17 @@ def _by_round(cells: Sequence[dict[str, Any]], policy: str) -> str:
     return f", {_fmt_rounds(rounds)} by wall time round by round" + (f" ({tally})" if tally else "") if rounds else ""
 
 
+def _repeats_text(name: str, config: dict[str, Any]) -> str:
+    """How a run's cells were repeated: its rounds and the policies' order in them (a run whose config names no
+    round_order ran them in a fixed order)."""
+    r = config.get("repeats", 1)
+    if r == 1:
+        return f"{name}: one run per cell"
+    order = ("every other round reversed" if config.get("round_order", "fixed") == "alternate" else
+             "in the same order every round")
+    return f"{name}: median of {r} runs per cell (round-robin over the policies, {order})"
+
+
 def _fmt_rounds(values: Sequence[float], spec: str = ".3f", unit: str = "x") -> str:
     """One figure a round: "a/b/c" plus the unit (round-by-round ratios by default)."""
     return "/".join(f"{v:{spec}}" for v in values) + unit
@@ -392,9 +403,7 @@ def section(docs: dict[str, dict[str, Any]], sim: dict[str, Any] | None, closed:
                  f"{'/'.join(str(w) for w in warm)} other prompts of the workload, untimed (`--warm-requests`: a "
                  "server's steady state; no other policy keeps state across requests, and the warm-up prompts are "
                  "never the cell's own)." if any(warm) else "Every cell starts cold (no `--warm-requests`).")
-    reps = {n: d.get("config", {}).get("repeats", 1) for n, d in docs.items()}
-    warm_text += " " + ("; ".join(f"{n}: median of {r} runs per cell (round-robin over the policies)" if r > 1 else
-                                  f"{n}: one run per cell" for n, r in reps.items()) + ".")
+    warm_text += " " + ("; ".join(_repeats_text(n, d.get("config", {})) for n, d in docs.items()) + ".")
     return f"""## Cost-aware DSDE: dsde-goodput (issue 7)
 
 dsde-goodput drafts each token while it is worth more than its time at the batch's goodput, judged from the draft's

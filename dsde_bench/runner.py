@@ -3,7 +3,8 @@ in-process engine, plus transformers' assisted generation as the external anchor
 
 A cell = (workload, temperature, batch, policy). Its prompts run through the engine with `batch` requests in
 flight (continuous batching: a finished request's slot is refilled before the next step), and its figures come
-from dsde_bench.metrics. Cells run in a fixed order and each is printed as soon as it ends.
+from dsde_bench.metrics. A repeated cell's rounds run the policies round-robin (round_policies); each cell is printed
+as soon as its last round ends.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dsde_bench.metrics import (
 )
 from dsde_bench.probe import PROBE_FORWARDS, machine_probe
 from dsde_bench.recording import RecordingPolicy
+from dsde_bench.rounds import ROUND_ORDERS, round_policies, round_seed
 from dsde_bench.workloads import DEFAULT_MAX_CHARS, WORKLOADS, Prompt, load_workload
 from dsde_core.config import SamplingParams
 from dsde_core.engine import Engine
@@ -37,10 +39,6 @@ from dsde_core.policies import SpeculationPolicy, make_policy
 STATIC_KS: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
 WARM_SEED_OFFSET = 1000
 """Warm-up prompts are sampled with seed + this, and never among the cell's own prompts."""
-ROUND_SEED_STRIDE = 10_000
-"""At T > 0, round r of a repeated cell samples its requests with seed + r * this (every policy the same seeds within
-a round): with one seed, a static k replays one trajectory in every round, so its median run is one draw of its
-tokens, and the best static k in hindsight the luckiest of several such draws."""
 FULL_POLICIES: tuple[str, ...] = (
     "off", *(f"static:{k}" for k in STATIC_KS), "heuristic", "adaedl", "acceptance", "dsde-nocap", "dsde",
     "dsde-goodput",
@@ -85,6 +83,8 @@ class GridConfig:
     warmup: bool = True
     ignore_eos: bool = False
     repeats: int = 1  # runs per cell, round-robin over the policies; the median run is kept
+    # the policies' order within a repeated cell's rounds (ROUND_ORDERS): "alternate" reverses every other round
+    round_order: str = "alternate"
     warm_requests: int = 0  # a policy that learns across requests first serves this many other prompts (untimed)
     # request i's max_tokens is max_tokens * (1 - length_spread * u_i), u_i uniform in [0, 1) drawn from (seed, i):
     # with ignore_eos, requests that end apart (as a server's do) instead of a closed batch of equal ones in lockstep
@@ -115,6 +115,8 @@ class GridConfig:
             raise ConfigError(f"max_tokens must be >= 2, got {self.max_tokens}")
         if self.repeats < 1:
             raise ConfigError(f"repeats must be >= 1, got {self.repeats}")
+        if self.round_order not in ROUND_ORDERS:
+            raise ConfigError(f"unknown round order {self.round_order!r}; valid: {', '.join(ROUND_ORDERS)}")
         if self.warm_requests < 0:
             raise ConfigError(f"warm_requests must be >= 0, got {self.warm_requests}")
         if self.probe_forwards < 0:
@@ -198,12 +200,6 @@ def request_lengths(n: int, max_tokens: int, spread: float, seed: int) -> list[i
     """[n] max_tokens of each request: max_tokens * (1 - spread * u_i), u_i uniform in [0, 1) from (seed, i), at
     least 2; the same for every policy, round and temperature. spread 0: all max_tokens."""
     return [max(2, round(max_tokens * (1 - spread * random.Random(f"length:{seed}:{i}").random()))) for i in range(n)]
-
-
-def round_seed(seed: int, round_: int, temperature: float) -> int:
-    """The sampling seed of a repeated cell's round: a new one each round at T > 0 (ROUND_SEED_STRIDE); greedy
-    decoding draws nothing, so T = 0 keeps the seed."""
-    return seed + round_ * ROUND_SEED_STRIDE if temperature > 0 else seed
 
 
 @dataclass(frozen=True)
@@ -307,7 +303,7 @@ def run_grid(backend: Backend, cfg: GridConfig, print_fn: Callable[[str], None] 
     hf = None
     if progress:
         print_fn = _bar_print(bar, print_fn)
-    policies = ["off", *(p for p in cfg.policies if p != "off")]  # the baseline first: speedups as we go
+    policies = ["off", *(p for p in cfg.policies if p != "off")]  # round 0's order: the baseline first
     print_fn(ROW_HEADER)
     for w in cfg.workloads:
         prompts = load_workload(w, cfg.num_prompts, cfg.seed, cfg.max_chars)
@@ -329,31 +325,30 @@ def run_grid(backend: Backend, cfg: GridConfig, print_fn: Callable[[str], None] 
                 probe = machine_probe(backend.engine, cfg.probe_forwards)  # each round's "after" the next's "before"
                 for rep in range(cfg.repeats):
                     params = sampling_params(len(ids), lengths, temp, round_seed(cfg.seed, rep, temp), cfg.ignore_eos)
-                    for pol in policies:
+                    for pol in round_policies(policies, rep, cfg.round_order):
                         load0, probe0 = _loadavg(), probe
                         run = run_cell(backend.engine, pol, ids, pids, params, bs, cfg.watch, warm)
                         m = summarize(run.records, run.steps, run.wall_s)
                         probe = machine_probe(backend.engine, cfg.probe_forwards)
                         runs.setdefault(pol, []).append(Round(run, [load0, _loadavg()], m, [probe0, probe]))
-                        if rep < cfg.repeats - 1:
-                            continue
-                        run, load, m, _ = median_run(runs[pol])  # the last round: all of this policy's runs are known
-                        # every round's wall time, SL and acceptance: where a policy's rounds differ, they say whether
-                        # its plans did or the machine's load (the cell's other figures are the median run's)
-                        cell = {**_cell(w, temp, bs, pol, run, m), "loadavg": load, "repeats": cfg.repeats,
-                                "walls_s": [round(r.run.wall_s, 4) for r in runs[pol]],
-                                "sl_means": [round(r.metrics.sl_mean, 3) for r in runs[pol]],
-                                "acceptance_rates": [round(r.metrics.acceptance_rate, 3) for r in runs[pol]]}
-                        if cfg.probe_forwards:  # ms of the fixed forward before and after each round
-                            cell["probe_ms"] = [r.probe for r in runs[pol]]
-                        group.append(cell)
-                        series += [{"workload": w, "temperature": temp, "batch": bs, "policy": pol, "request": rid,
-                                    "steps": rows} for rid, rows in run.series.items()]
-                        steps_out.append({"workload": w, "temperature": temp, "batch": bs, "policy": pol,
-                                          "steps": [s.row() for s in run.steps]})
-                        add_speedups(group)
-                        print_fn(format_row(cell))
-                        bar.update(1)
+                for pol in policies:  # the baseline first: speedups as we go
+                    run, load, m, _ = median_run(runs[pol])
+                    # every round's wall time, SL and acceptance: where a policy's rounds differ, they say whether its
+                    # plans did or the machine's load (the cell's other figures are the median run's)
+                    cell = {**_cell(w, temp, bs, pol, run, m), "loadavg": load, "repeats": cfg.repeats,
+                            "walls_s": [round(r.run.wall_s, 4) for r in runs[pol]],
+                            "sl_means": [round(r.metrics.sl_mean, 3) for r in runs[pol]],
+                            "acceptance_rates": [round(r.metrics.acceptance_rate, 3) for r in runs[pol]]}
+                    if cfg.probe_forwards:  # ms of the fixed forward before and after each round
+                        cell["probe_ms"] = [r.probe for r in runs[pol]]
+                    group.append(cell)
+                    series += [{"workload": w, "temperature": temp, "batch": bs, "policy": pol, "request": rid,
+                                "steps": rows} for rid, rows in run.series.items()]
+                    steps_out.append({"workload": w, "temperature": temp, "batch": bs, "policy": pol,
+                                      "steps": [s.row() for s in run.steps]})
+                    add_speedups(group)
+                    print_fn(format_row(cell))
+                    bar.update(1)
                 cells += group
             if cfg.anchor:
                 hf = hf or _load_anchor(backend)

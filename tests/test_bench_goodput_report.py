@@ -356,3 +356,14 @@ def test_docs_are_not_code_to_a_runs_provenance(tmp_path: Path) -> None:
     assert provenance.changed_since(start, tmp_path)  # committed since the run started
     assert provenance.changed_since({"commit": "0" * 40, "modified": False}, tmp_path)  # a commit it lacks
     assert not provenance.changed_since(None, tmp_path / "nowhere") and provenance.changed_since(None, tmp_path)
+
+
+def test_the_section_says_how_each_runs_rounds_were_ordered() -> None:
+    """A repeated run names its rounds and the policies' order in them; a run whose config predates round_order ran
+    them in a fixed order."""
+    text = goodput_report._repeats_text
+    assert text("a", {"repeats": 9, "round_order": "alternate"}) == (
+        "a: median of 9 runs per cell (round-robin over the policies, every other round reversed)")
+    assert text("b", {"repeats": 5}) == "b: median of 5 runs per cell (round-robin over the policies, in the same " \
+                                        "order every round)"
+    assert text("c", {"repeats": 1, "round_order": "alternate"}) == text("c", {}) == "c: one run per cell"

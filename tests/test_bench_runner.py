@@ -74,13 +74,14 @@ def test_grid_config_validation() -> None:
         GridConfig(probe_forwards=-1)
 
 
-def test_probe_forwards_reach_the_grid_config() -> None:
+def test_probe_forwards_and_round_order_reach_the_grid_config() -> None:
     def config(*argv: str) -> GridConfig:
         p = argparse.ArgumentParser()
         cli.add_arguments(p)
         return cli._grid_config(p.parse_args(["--tiny", *argv]))
 
     assert config().probe_forwards == 3 and config("--probe-forwards", "0").probe_forwards == 0
+    assert config().round_order == "alternate" and config("--round-order", "fixed").round_order == "fixed"
 
 
 @needs_data
@@ -424,9 +425,9 @@ def test_repeats_keep_the_median_run(backend) -> None:
     off, static = cells
     assert off["sl_means"] == [0.0] * 3 and all(sl > 0 for sl in static["sl_means"])
     assert all(0.0 <= a <= 1.0 for a in static["acceptance_rates"])
-    # the machine probe before and after every round; the rounds ran off, static:2, off, ... and each run's "after" is
-    # the next run's "before"
-    chain = [p for r in range(3) for c in cells for p in c["probe_ms"][r]]
+    # the machine probe before and after every round; the rounds ran off, static:2 | static:2, off | off, static:2
+    # (every other round reversed) and each run's "after" is the next run's "before"
+    chain = [p for r in range(3) for c in (cells[::-1] if r % 2 else cells) for p in c["probe_ms"][r]]
     assert all(p > 0 for p in chain) and chain[1::2][:-1] == chain[2::2]
     doc = run_grid(backend, GridConfig(**{**cfg.__dict__, "probe_forwards": 0}), print_fn=lambda s: None,
                    progress=False)
@@ -451,9 +452,26 @@ def test_sampled_rounds_draw_new_seeds_shared_by_every_policy(backend, monkeypat
     greedy = [s for t, _, s in seen if t == 0.0]
     sampled = [(p, s) for t, p, s in seen if t == 1.0]
     assert greedy == [[5, 6]] * 4
-    assert sampled == [("off", [5, 6]), ("static:2", [5, 6]), ("off", [10_005, 10_006]),
-                       ("static:2", [10_005, 10_006])]
+    # the second round runs the policies in reverse (round_order "alternate", the default)
+    assert sampled == [("off", [5, 6]), ("static:2", [5, 6]), ("static:2", [10_005, 10_006]),
+                       ("off", [10_005, 10_006])]
     assert runner.round_seed(5, 3, 0.7) == 30_005 and runner.round_seed(5, 3, 0.0) == 5
+    seen.clear()
+    run_grid(backend, GridConfig(**{**cfg.__dict__, "temperatures": (1.0,), "round_order": "fixed"}),
+             print_fn=lambda s: None, progress=False)
+    assert [p for _, p, _ in seen] == ["off", "static:2", "off", "static:2"]
+
+
+def test_alternate_rounds_give_every_policy_the_same_mean_place() -> None:
+    """Over a pair of rounds each policy's places sum to n - 1: a drift that grows through a round costs every policy
+    alike, where the fixed order puts it on the last policy every round."""
+    pols = ["off", "static:1", "static:2", "dsde", "dsde-goodput"]
+    pair = [runner.round_policies(pols, r, "alternate") for r in (0, 1)]
+    assert pair[0] == pols and pair[1] == pols[::-1] and runner.round_policies(pols, 2, "alternate") == pols
+    assert {p: sum(o.index(p) for o in pair) for p in pols} == dict.fromkeys(pols, len(pols) - 1)
+    assert all(runner.round_policies(pols, r, "fixed") == pols for r in range(3))
+    with pytest.raises(ConfigError, match="round order 'shuffle'; valid: alternate, fixed"):
+        GridConfig(round_order="shuffle")
 
 
 def test_median_run_of_an_even_count_is_the_faster_middle_one() -> None:
