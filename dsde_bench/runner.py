@@ -301,8 +301,7 @@ def run_grid(backend: Backend, cfg: GridConfig, print_fn: Callable[[str], None] 
     if cfg.warmup:
         _warmup(backend, cfg)
     hf = None
-    if progress:
-        print_fn = _bar_print(bar, print_fn)
+    print_fn = _bar_print(bar, print_fn)
     policies = ["off", *(p for p in cfg.policies if p != "off")]  # round 0's order: the baseline first
     print_fn(ROW_HEADER)
     for w in cfg.workloads:
@@ -428,9 +427,13 @@ def _jsonable(x: Any) -> Any:
 
 
 def _bar_print(bar: Any, print_fn: Callable[[str], None]) -> Callable[[str], None]:
-    if hasattr(bar, "write") and print_fn is print:
+    """Rows printed above the progress bar, or flushed as printed: into a file or a pipe, stdout is block-buffered,
+    and a long run's log would show no cell until the buffer fills."""
+    if print_fn is not print:
+        return print_fn
+    if hasattr(bar, "write"):
         return lambda s: bar.write(s, file=sys.stdout)
-    return print_fn
+    return lambda s: print(s, flush=True)
 
 
 class _NoBar:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import subprocess
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -479,3 +481,20 @@ def test_median_run_of_an_even_count_is_the_faster_middle_one() -> None:
     assert median_run(runs).load == [2.0] and median_run(runs[:3]).load == [3.0] and median_run(runs[:1]).load == [3.0]
     with pytest.raises(ConfigError, match="repeats"):
         GridConfig(repeats=0)
+
+
+def test_rows_are_flushed_as_printed_without_a_progress_bar(monkeypatch) -> None:
+    """Into a file or a pipe stdout is block-buffered: a long run's log would show no cell until the buffer filled."""
+
+    class Out(io.StringIO):
+        flushes = 0
+
+        def flush(self) -> None:
+            Out.flushes += 1
+
+    out = Out()
+    monkeypatch.setattr(sys, "stdout", out)
+    runner._bar_print(runner._NoBar(), print)("a row")
+    assert out.getvalue() == "a row\n" and Out.flushes >= 1
+    mine = lambda s: None  # noqa: E731 - a caller's own print_fn is kept as given
+    assert runner._bar_print(runner._NoBar(), mine) is mine
