@@ -114,6 +114,14 @@ def test_what_the_responses_api_asks_and_this_server_does_not_do_is_refused(fiel
     assert says in message and named == param, (message, named)
 
 
+def test_a_metadata_key_too_long_is_named_by_its_mapping_and_in_the_message() -> None:
+    """The row above matches pydantic's own text; the body's message also names the key (describe_invalid)."""
+    with pytest.raises(ValidationError) as e:
+        _request(metadata={"k" * 65: "v"})
+    assert describe_invalid(e.value.errors()) == (
+        f"metadata: key '{'k' * 65}': String should have at most 64 characters", "metadata")
+
+
 def test_accepted_fields_that_change_nothing_are_not_refused() -> None:
     body = _request(store=True, user="u", tool_choice="auto", parallel_tool_calls=False, truncation="disabled",
                     reasoning={"effort": None}, text={"format": {"type": "text"}}, service_tier="auto",
