@@ -93,8 +93,9 @@ def _add_check_config(sub: Any) -> None:
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    """Each application in one line, and a note for a model source that is not on this machine (on a cluster it
-    must be on every node, which this machine cannot see); a problem is an error naming the application and field."""
+    """Each application in one line, a note for a model source that is not on this machine (on a cluster it must be
+    on every node, which this machine cannot see) and one for a policy that asks for more than the engine's max_sl
+    lets a step draft; a problem is an error naming the application and field."""
     from dsde_core.models.loader import model_source_exists
     from services.config_file import check_config_file
 
@@ -103,6 +104,8 @@ def _check_config(args: argparse.Namespace) -> int:
         sources = (app.config.target, app.config.draft) if app.config else ()
         for source in [s for s in sources if s is not None and not model_source_exists(s)]:
             print(f"  note: model {source!r} is not on this machine; every node that runs a replica needs it")
+        if note := app.ceiling_note():
+            print(f"  note: {note}")
     print(f"{args.file}: ok")
     return 0
 

@@ -21,7 +21,7 @@ from dsde_core.config import EngineConfig, SamplingParams, SpeculationParams
 from dsde_core.cost import OnlineCostModel
 from dsde_core.detokenize import TextStream
 from dsde_core.errors import ConfigError, WorkerUnavailable
-from dsde_core.policies import Plan, SeqInfo, SpeculationPolicy, StepFeedback
+from dsde_core.policies import Plan, SeqInfo, SpeculationPolicy, StepFeedback, ceiling_note
 from dsde_core.recovery import ROLES, WorkerHealth, describe, is_available
 from dsde_core.request import Request, RequestOutput
 from dsde_core.workers import DraftTask, Proposal, Verdict, VerifyTask
@@ -98,6 +98,7 @@ class Engine:
         self._draft_suspects: dict[str, int] = {}  # req_id -> draft faults alone in a row; each drafts alone
         self._draft_alone: Request | None = None  # the draft suspect drafting alone this step (_draft_fault)
         self._ids = itertools.count()
+        self._note_ceiling()
 
     # ---- requests in and out ------------------------------------------------------------------------
     def add_request(
@@ -652,3 +653,8 @@ class Engine:
         if self.has_unfinished():
             raise ConfigError("the policy can only be changed while no request is running")
         self.policy = policy
+        self._note_ceiling()
+
+    def _note_ceiling(self) -> None:
+        if note := ceiling_note(self.policy, self.config.max_sl):
+            log.warning(note)

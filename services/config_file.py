@@ -37,6 +37,12 @@ class CheckedApp:
                 f"(target {cfg.target}, draft {cfg.draft or 'none'}, {cfg.dtype}, {cfg.max_batch_size} slots), "
                 f"policy {policy}")
 
+    def ceiling_note(self) -> str | None:
+        """PolicyConfig.ceiling_note of the user_config that applies (or the args' policy) against the args' max_sl."""
+        if self.config is None:
+            return None
+        return (self.policy or PolicyConfig(policy=self.config.policy)).ceiling_note(self.config.max_sl)
+
 
 def check_config_file(path: str | Path) -> list[CheckedApp]:
     """Every application of a Serve config file, checked; ConfigError naming the file, application and field."""

@@ -375,6 +375,11 @@ class DSDEServer:
         self.started = time.time()
         log.info("DSDE ingress ready: model %s, target %s, draft %s, policy %s", self.model, cfg.target, cfg.draft,
                  cfg.policy)
+        self._note_ceiling()
+
+    def _note_ceiling(self) -> None:
+        if note := self.policy_config.ceiling_note(self.cfg.max_sl):
+            log.warning(note)
 
     def _load(self) -> tuple[int, int, int]:
         e = self.engine
@@ -399,6 +404,7 @@ class DSDEServer:
         self.policy = await self.actors.controller.reconfigure.remote(cfg)
         self.policy_config = cfg
         log.info("DSDE policy reconfigured: %s", self.policy)
+        self._note_ceiling()
 
     async def check_health(self) -> None:
         """Healthy while the engine loop runs and no actor is dead for good. An actor that is restarting is not a

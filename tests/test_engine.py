@@ -4,12 +4,13 @@ under every policy, with continuous batching, mixed lengths and requests joining
 from __future__ import annotations
 
 import itertools
+import logging
 
 import pytest
 
 from dsde_core.config import EngineConfig, SamplingParams, SpeculationParams
 from dsde_core.errors import ConfigError
-from dsde_core.policies import Plan, StaticPolicy
+from dsde_core.policies import Plan, StaticPolicy, ceiling_note
 from dsde_core.workers import DraftTask, DraftWorker
 from tests.tiny import VOCAB, random_prompts, tiny_engine
 
@@ -192,6 +193,20 @@ def test_speculation_off_per_request_and_max_sl() -> None:
     engine.run()
     assert off.stats.drafted == 0 and off.stats.steps == 20
     assert max(capped.stats.sl) == 2
+
+
+def test_a_policy_asking_above_max_sl_is_lowered_to_it_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="dsde_core.engine"):
+        engine = tiny_engine("static:12", batch=1, max_sl=5)
+    assert [r.getMessage() for r in caplog.records] == [ceiling_note(engine.policy, 5)]
+    assert "static:12 plans k up to 12, above the engine's max_sl 5" in caplog.records[0].getMessage()
+    [req] = _run(engine, [PROMPTS[0]], [20])
+    assert max(req.stats.sl) == 5
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dsde_core.engine"):
+        engine.set_policy(StaticPolicy(5))
+        engine.set_policy(StaticPolicy(9))
+    assert [r.getMessage() for r in caplog.records] == [ceiling_note(StaticPolicy(9), 5)]
 
 
 def test_never_drafts_past_max_tokens() -> None:

@@ -27,6 +27,7 @@ from dsde_core.policies import (
     SpeculationPolicy,
     StaticPolicy,
     StepFeedback,
+    ceiling_note,
     draft_confidence,
     make_policy,
     should_stop,
@@ -539,6 +540,24 @@ def test_dsde_max_bound() -> None:
     assert ks[0] == 3 and max(ks) == 3
     state = n._state_of("r")
     assert not state.warm and state.max_acc == 3 and state.sl_max == 3
+
+
+@pytest.mark.parametrize(("spec", "bound"), [("off", 0), ("static", 4), ("static:30", 30), ("dsde", 20),
+                                             ("dsde-paper-nocap:6", 6), ("dsde-goodput", 20), ("heuristic", 20),
+                                             ("adaedl", 10), ("acceptance", 10)])
+def test_every_policy_names_its_bound_on_k(spec: str, bound: int) -> None:
+    """k_bound is the most a policy ever plans; a plan for a sequence the engine allows 64 stays within it."""
+    policy = make_policy(spec)
+    assert policy.k_bound == bound
+    assert all(p.k <= bound for p in policy.plan([seq(f"r{i}", max_k=64) for i in range(3)]))
+
+
+def test_a_bound_above_the_engines_max_sl_gets_a_note_naming_both() -> None:
+    assert ceiling_note(make_policy("static:30"), 20) == (
+        "policy static:30 plans k up to 30, above the engine's max_sl 20: no step drafts more than 20 tokens "
+        "(raise max_sl, or give the policy a bound within it)")
+    assert "dsde:24 plans k up to 24, above the engine's max_sl 8" in ceiling_note(make_policy("dsde:24"), 8)
+    assert ceiling_note(make_policy("static:20"), 20) is None and ceiling_note(make_policy("dsde"), 20) is None
 
 
 @pytest.mark.parametrize("spec", ["fast", "static:x", "static:-1", "static:", "acceptance:2", "dsde:1", "dsde:x",

@@ -97,3 +97,31 @@ def test_another_application_is_left_to_serve_and_a_model_not_here_is_a_note(
     out = capsys.readouterr().out
     assert "note: model '/models/not-here' is not on this machine" in out
     assert "application 'other': not DSDE Serve (not checked beyond Serve's schema)" in out
+
+
+@pytest.mark.parametrize(("args", "user_config", "says"), [
+    ({"policy": "static:30"}, "drop", "note: policy static:30 plans k up to 30, above the engine's max_sl 20"),
+    ({"max_sl": 8}, {"policy": "dsde"}, "note: policy dsde plans k up to 20, above the engine's max_sl 8"),
+    ({}, {"policy": "static", "params": {"k": 24}}, "note: policy static{k=24} plans k up to 24"),
+    ({}, {"policy": "static:4", "max_sl": 30},
+     "note: user_config max_sl 30 is above the engine's max_sl 20 (app args)"),
+    ({}, {"policy": "static:30", "max_sl": 10}, None),  # the live ceiling is the operator's own, within the engine's
+    ({}, "keep", None),  # the shipped config asks for nothing above its engine
+])
+def test_a_policy_asking_for_more_than_the_engines_max_sl_is_a_note(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], args: dict[str, Any], user_config: Any,
+        says: str | None) -> None:
+    def edit(app: dict[str, Any]) -> None:
+        app["args"].update(args)
+        if user_config == "drop":  # the args' policy applies
+            del app["deployments"][0]["user_config"]
+        elif user_config != "keep":
+            app["deployments"][0]["user_config"] = user_config
+
+    assert main(["check-config", str(_write(tmp_path, _edited(edit)))]) == 0
+    out = capsys.readouterr().out
+    if says is None:
+        assert "above the engine's max_sl" not in out
+    else:
+        assert says in out and out.endswith(": ok\n")
+

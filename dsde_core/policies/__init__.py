@@ -101,6 +101,15 @@ def make_policy(spec: str = DEFAULT_POLICY) -> SpeculationPolicy:
     return policy
 
 
+def ceiling_note(policy: SpeculationPolicy, max_sl: int) -> str | None:
+    """A warning where the policy plans k above the engine's max_sl, which lowers each such k without a word."""
+    bound = policy.k_bound
+    if bound is None or bound <= max_sl:
+        return None
+    return (f"policy {policy.name} plans k up to {bound}, above the engine's max_sl {max_sl}: no step drafts more "
+            f"than {max_sl} tokens (raise max_sl, or give the policy a bound within it)")
+
+
 __all__ = [
     "DEFAULT_POLICY",
     "POLICY_NAMES",
@@ -122,6 +131,7 @@ __all__ = [
     "StaticConfig",
     "StaticPolicy",
     "StepFeedback",
+    "ceiling_note",
     "draft_confidence",
     "make_policy",
     "should_stop",

@@ -54,6 +54,7 @@ class _State:
 
 class AcceptanceRatePolicy(PerRequestPolicy[_State]):
     name = "acceptance"
+    bound_field = "max_k"
 
     def __init__(self, config: AcceptanceRateConfig | None = None) -> None:
         super().__init__()

@@ -70,6 +70,7 @@ class _State:
 
 class AdaEDLPolicy(PerRequestPolicy[_State]):
     name = "adaedl"
+    bound_field = "max_k"
 
     def __init__(self, config: AdaEDLConfig | None = None) -> None:
         super().__init__()

@@ -170,6 +170,14 @@ class SpeculationPolicy(ABC):
         """Current per-request internals for metrics and plots; empty when there are none."""
         return {}
 
+    bound_field: str | None = None
+    """The field of the policy's `config` that bounds every k it plans (StaticConfig.k, DSDEConfig.max_sl, ...)."""
+
+    @property
+    def k_bound(self) -> int | None:
+        """The largest k plan() asks for (a static k, DSDE's MAX); None where only the engine bounds it."""
+        return getattr(getattr(self, "config", None), self.bound_field) if self.bound_field else None
+
     def cappable(self, req_id: str) -> bool:
         """Whether the batch SL cap may apply to this request (DSDE: only after its warm-up)."""
         return True

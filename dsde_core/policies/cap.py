@@ -59,6 +59,10 @@ class CappedPolicy(SpeculationPolicy):
     def num_tracked(self) -> int:
         return self.inner.num_tracked()
 
+    @property
+    def k_bound(self) -> int | None:
+        return self.inner.k_bound
+
     def cappable(self, req_id: str) -> bool:
         return self.inner.cappable(req_id)
 

@@ -169,6 +169,7 @@ class _State:
 
 class DSDEPolicy(PerRequestPolicy[_State]):
     name = "dsde-nocap"
+    bound_field = "max_sl"
 
     def __init__(self, config: DSDEConfig | None = None) -> None:
         super().__init__()

@@ -254,6 +254,7 @@ class GoodputPolicy(SpeculationPolicy):
     """Batch-level: plans every sequence together (it needs the step costs; the engine passes them)."""
 
     name = "dsde-goodput"
+    bound_field = "max_sl"
     cost_aware = True
     pooled = True
 

@@ -39,6 +39,7 @@ class _State:
 
 class HeuristicPolicy(PerRequestPolicy[_State]):
     name = "heuristic"
+    bound_field = "max_k"
 
     def __init__(self, config: HeuristicConfig | None = None) -> None:
         super().__init__()

@@ -28,6 +28,8 @@ class StaticConfig:
 class StaticPolicy(SpeculationPolicy):
     """k = config.k (limited by each sequence's max_k). Stateless: nothing is tracked per request."""
 
+    bound_field = "k"
+
     def __init__(self, config: StaticConfig | int = DEFAULT_STATIC_K) -> None:
         self.config = config if isinstance(config, StaticConfig) else StaticConfig(k=config)
         self.name = f"static:{self.config.k}"
