@@ -20,7 +20,7 @@ import yaml
 from dsde_core.config import DTYPES, EngineConfig, is_device
 from dsde_core.errors import ConfigError
 from dsde_core.models.loader import DEFAULT_DRAFT, DEFAULT_TARGET
-from dsde_core.policies import DEFAULT_POLICY, ceiling_note, make_policy
+from dsde_core.policies import DEFAULT_POLICY, above_ceiling, ceiling_note, make_policy
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -196,10 +196,7 @@ class PolicyConfig:
         without a word: its own max_sl, or (without one) its policy's bound (a static k, DSDE's MAX, params)."""
         if self.max_sl is None:
             return ceiling_note(build_policy(self), engine_max_sl)
-        if self.max_sl > engine_max_sl:
-            return (f"user_config max_sl {self.max_sl} is above the engine's max_sl {engine_max_sl} (app args): no "
-                    f"step drafts more than {engine_max_sl} tokens")
-        return None
+        return above_ceiling(f"user_config max_sl {self.max_sl}", self.max_sl, engine_max_sl)
 
     def describe(self) -> str:
         text = self.policy.strip().lower()

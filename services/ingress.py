@@ -347,6 +347,11 @@ async def with_deadline(outputs: AsyncIterator[RequestOutput], timeout: float | 
                   health_check_timeout_s=60, graceful_shutdown_timeout_s=30)
 @serve.ingress(app)
 class DSDEServer:
+    # Serve calls reconfigure right after __init__ with the deployment's user_config, which replaces the args'
+    # policy: the note on a policy above max_sl waits for the one that applies (reconfigure, else the first health
+    # check)
+    _ceiling_noted = False
+
     def __init__(self, cfg: ServiceConfig) -> None:
         self.cfg = cfg
         self.model = cfg.served_name
@@ -375,9 +380,9 @@ class DSDEServer:
         self.started = time.time()
         log.info("DSDE ingress ready: model %s, target %s, draft %s, policy %s", self.model, cfg.target, cfg.draft,
                  cfg.policy)
-        self._note_ceiling()
 
     def _note_ceiling(self) -> None:
+        self._ceiling_noted = True
         if note := self.policy_config.ceiling_note(self.cfg.max_sl):
             log.warning(note)
 
@@ -411,6 +416,8 @@ class DSDEServer:
         failure (the engine waits for it); one that used up its restarts is: Serve then replaces the replica."""
         if not self.aengine.alive:
             raise RuntimeError("the engine loop is not running")
+        if not self._ceiling_noted:  # the args' policy applies: no user_config replaced it
+            self._note_ceiling()
         with contextlib.suppress(Exception):  # the gauges, also while idle; never a reason to fail the check
             self.metrics.on_load(*self._load())  # current values of the load and worker gauges
             self.metrics.refresh()  # the last values of the others (cap, cost model)

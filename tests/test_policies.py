@@ -555,7 +555,7 @@ def test_every_policy_names_its_bound_on_k(spec: str, bound: int) -> None:
 def test_a_bound_above_the_engines_max_sl_gets_a_note_naming_both() -> None:
     assert ceiling_note(make_policy("static:30"), 20) == (
         "policy static:30 plans k up to 30, above the engine's max_sl 20: no step drafts more than 20 tokens "
-        "(raise max_sl, or give the policy a bound within it)")
+        "(raise the engine's max_sl, or lower the bound)")
     assert "dsde:24 plans k up to 24, above the engine's max_sl 8" in ceiling_note(make_policy("dsde:24"), 8)
     assert ceiling_note(make_policy("static:20"), 20) is None and ceiling_note(make_policy("dsde"), 20) is None
 

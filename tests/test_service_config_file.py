@@ -104,7 +104,7 @@ def test_another_application_is_left_to_serve_and_a_model_not_here_is_a_note(
     ({"max_sl": 8}, {"policy": "dsde"}, "note: policy dsde plans k up to 20, above the engine's max_sl 8"),
     ({}, {"policy": "static", "params": {"k": 24}}, "note: policy static{k=24} plans k up to 24"),
     ({}, {"policy": "static:4", "max_sl": 30},
-     "note: user_config max_sl 30 is above the engine's max_sl 20 (app args)"),
+     "note: user_config max_sl 30, above the engine's max_sl 20: no step drafts more than 20 tokens"),
     ({}, {"policy": "static:30", "max_sl": 10}, None),  # the live ceiling is the operator's own, within the engine's
     ({}, "keep", None),  # the shipped config asks for nothing above its engine
 ])

@@ -612,3 +612,46 @@ def test_quiet_serve_controller_sets_a_variable_serve_reads_and_keeps_an_operato
                           "print(c.CONTROL_LOOP_INTERVAL_S)"], env={**os.environ, SERVE_CONTROL_LOOP_ENV: "0.5"},
                          capture_output=True, text=True, check=True)
     assert float(out.stdout.strip()) == 0.5
+
+
+def test_the_ceiling_note_names_the_policy_that_applies(caplog: pytest.LogCaptureFixture) -> None:
+    """Serve calls reconfigure right after the ingress is built: a policy above max_sl in the app args that a
+    user_config replaces gets no warning; where none replaces it, the first health check warns, once."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from services.ingress import DSDEServer
+
+    async def reconfigure(cfg: PolicyConfig) -> str:  # the controller's: the name of the policy now current
+        return cfg.describe()
+
+    class Replica(DSDEServer.func_or_class):
+        def __del__(self) -> None:  # nothing started, nothing to stop
+            pass
+
+    def server(policy: str) -> Replica:
+        srv = object.__new__(Replica)  # the state __init__ leaves, without a cluster
+        srv.cfg, srv.policy_config, srv.policy = ServiceConfig(policy=policy, max_sl=8), PolicyConfig(policy), policy
+
+        async def describe() -> dict[str, str]:
+            return {"policy": srv.policy}
+
+        controller = SimpleNamespace(reconfigure=SimpleNamespace(remote=reconfigure),
+                                     describe=SimpleNamespace(remote=describe))
+        srv.aengine, srv.actors = SimpleNamespace(alive=True), SimpleNamespace(named=dict, controller=controller)
+        return srv
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+    with caplog.at_level(logging.WARNING, logger="ray.serve"):
+        replaced = server("static:30")
+        asyncio.run(replaced.reconfigure({"policy": "static:4"}))
+        asyncio.run(replaced.check_health())
+        assert warnings() == []
+        alone = server("static:30")
+        asyncio.run(alone.check_health())
+        asyncio.run(alone.check_health())
+        assert len(warnings()) == 1 and warnings()[0].startswith("policy static:30 plans k up to 30")
+        asyncio.run(alone.reconfigure({"policy": "static:12"}))
+        assert warnings()[1].startswith("policy static:12 plans k up to 12, above the engine's max_sl 8")

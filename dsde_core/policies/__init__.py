@@ -104,10 +104,16 @@ def make_policy(spec: str = DEFAULT_POLICY) -> SpeculationPolicy:
 def ceiling_note(policy: SpeculationPolicy, max_sl: int) -> str | None:
     """A warning where the policy plans k above the engine's max_sl, which lowers each such k without a word."""
     bound = policy.k_bound
-    if bound is None or bound <= max_sl:
+    return None if bound is None else above_ceiling(f"policy {policy.name} plans k up to {bound}", bound, max_sl)
+
+
+def above_ceiling(what: str, bound: int, max_sl: int) -> str | None:
+    """The warning where `what` (a policy's plan, a live ceiling) reaches k = bound above the engine's max_sl; None
+    within it."""
+    if bound <= max_sl:
         return None
-    return (f"policy {policy.name} plans k up to {bound}, above the engine's max_sl {max_sl}: no step drafts more "
-            f"than {max_sl} tokens (raise max_sl, or give the policy a bound within it)")
+    return (f"{what}, above the engine's max_sl {max_sl}: no step drafts more than {max_sl} tokens (raise the "
+            f"engine's max_sl, or lower the bound)")
 
 
 __all__ = [
@@ -131,6 +137,7 @@ __all__ = [
     "StaticConfig",
     "StaticPolicy",
     "StepFeedback",
+    "above_ceiling",
     "ceiling_note",
     "draft_confidence",
     "make_policy",
