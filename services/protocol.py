@@ -1,6 +1,8 @@
 """The OpenAI-compatible request bodies (pydantic, with bounds) and the error body.
 
-Unknown fields are ignored, as OpenAI-compatible servers do, and named in a warning in the log (as vLLM does);
+Values are taken in JSON's own types as sent, never coerced into another (`Body`: `true` is no integer, `"0.5"` no
+number), and an error names the type sent. Unknown fields are ignored, as OpenAI-compatible servers do, and named
+in a warning in the log (as vLLM does);
 OpenAI's fields that this server does not implement and that would change the answer (`suffix`, `best_of` other
 than `n`, `tools`, `functions`, a `response_format` other than text) are a 400 naming the field, never ignored; so
 are vLLM's structured-output fields (`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`,
@@ -16,6 +18,7 @@ tools or reasoning is refused the same way, and its schema states the values of 
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -23,6 +26,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    Strict,
     ValidationError,
     ValidatorFunctionWrapHandler,
     WithJsonSchema,
@@ -50,9 +54,19 @@ MAX_PROMPTS = 64  # prompts per completions request (the engine's queue bounds p
 MAX_STOP_CHARS = 256  # per stop string
 GREEDY_BELOW = 1e-5  # a temperature under this is greedy (as in vLLM): 1 / T would overflow the logits
 log = logging.getLogger("ray.serve")
-JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "true or false",
-              type(None): "null"}
+JSON_KINDS = {list: "an array", dict: "an object", str: "a string"}
 BODY_SHAPE_ERRORS = ("missing", "model_attributes_type", "model_type", "dict_type")  # pydantic's: no object given
+TYPE_ERRORS = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",  # what was expected
+               "string_type": "a string", "list_type": "an array", "dict_type": "an object", "model_type": "an object",
+               "model_attributes_type": "an object"}
+
+
+def json_kind(value: Any) -> str:
+    """What a JSON value is, as an error message names it: a scalar as itself (true, null, 2.0), else its kind (a
+    string, an array, an object)."""
+    if value is None or isinstance(value, bool | int | float):
+        return json.dumps(value)
+    return JSON_KINDS.get(type(value), "something else")
 
 
 def one_of(expected: str) -> WrapValidator:
@@ -109,11 +123,13 @@ def describe_invalid(errors: list[dict[str, Any]], content_type: str = "applicat
             return f"the request body must be JSON: send it with Content-Type: application/json (got {media})", None
         if kind == "missing":
             return "the request body is empty: send a JSON object", None
-        return f"the request body must be a JSON object, got {JSON_KINDS.get(type(given), 'something else')}", None
+        return f"the request body must be a JSON object, got {json_kind(given)}", None
     parts, param = [], None
     for err in errors:
         where = [str(x) for x in err.get("loc", ()) if x != "body"]
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        if (expected := TYPE_ERRORS.get(err.get("type", ""))) is not None:  # in JSON's words, not pydantic's
+            msg = f"expected {expected}, got {json_kind(err.get('input'))}"  # strict: nothing sent is coerced
         if where[-1:] == ["[key]"]:  # a mapping's key at fault: pydantic locates it at (field, key, "[key]")
             where, msg = where[:-2], f"key {where[-2]!r}: {msg}"
         loc = ".".join(where)
@@ -122,7 +138,15 @@ def describe_invalid(errors: list[dict[str, Any]], content_type: str = "applicat
     return "; ".join(parts) or "invalid request body", param
 
 
-class SpeculationOptions(BaseModel):
+class Body(BaseModel):
+    """A request body's object: JSON's own types as sent, none coerced into another (pydantic's strict mode), as at
+    OpenAI: `"12"`, `12.0` or `true` is no integer, `"yes"` or `1` no boolean, `"0.5"` no number (an integer is
+    one)."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class SpeculationOptions(Body):
     """Per-request speculation control: off, or a ceiling on the speculation length."""
 
     model_config = ConfigDict(extra="forbid")
@@ -134,12 +158,12 @@ class SpeculationOptions(BaseModel):
         return SpeculationParams(enabled=self.enabled, max_sl=self.max_sl)
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(Body):
     include_usage: bool = False  # a last chunk with the request's usage
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
-class _Common(BaseModel):
+class _Common(Body):
     model_config = ConfigDict(extra="ignore")
     TOKENS_ALIAS: ClassVar[str | None] = None  # the endpoint's own name for max_tokens, which it also takes
     PROMPT_FIELD: ClassVar[str] = "prompt"  # the field the prompt's tokens come from, which an error about them names
@@ -157,7 +181,7 @@ class _Common(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)  # vLLM's
-    logit_bias: dict[int, float] | None = None  # token id (a string in JSON) -> bias in [-100, 100]
+    logit_bias: dict[Annotated[int, Strict(False)], float] | None = None  # token id (a JSON key: a string) -> bias
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # vLLM's extra parameters, from here on
     min_tokens: int = Field(default=0, ge=0, le=1 << 20)
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
@@ -278,12 +302,12 @@ class CompletionRequest(_Common):
         return [p] if isinstance(p, str) or not p or isinstance(p[0], int) else list(p)
 
 
-class ContentPart(BaseModel):
+class ContentPart(Body):
     type: Literal["text"]
     text: str
 
 
-class InputTextPart(BaseModel):
+class InputTextPart(Body):
     """The Responses API's text part: the user's `input_text`, or an earlier answer's `output_text` sent back."""
 
     type: Literal["input_text", "output_text"]
@@ -300,7 +324,7 @@ def check_parts(content: Any, allowed: tuple[str, ...], where: str = "") -> None
                           f"of type {kind!r} are not supported: this model takes text only")
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(Body):
     model_config = ConfigDict(extra="ignore")
     TEXT_PARTS: ClassVar[tuple[str, ...]] = ("text",)  # the content part types this message takes
 
@@ -483,7 +507,7 @@ class ResponsesRequest(_Common):
                 "top_logprobs": self.top_logprobs, "top_p": self.top_p, "truncation": "disabled", "user": self.user}
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(Body):
     """vLLM's /tokenize: a prompt's token ids, or chat messages' through the chat template."""
 
     # the schema states the one-of that _one_input checks (a null counts as absent)
@@ -504,7 +528,7 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(Body):
     """vLLM's /detokenize: token ids' text."""
 
     model_config = ConfigDict(extra="ignore")

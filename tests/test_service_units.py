@@ -7,6 +7,7 @@ import logging
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -20,7 +21,15 @@ from services.config import PolicyConfig, ServiceConfig, build_policy
 from services.controller import Controller
 from services.ingress import choice_params, merge
 from services.metrics import METRICS, exported_name
-from services.protocol import ChatCompletionRequest, CompletionRequest, describe_invalid, error_body
+from services.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ResponsesRequest,
+    TokenizeRequest,
+    describe_invalid,
+    error_body,
+)
 from services.responses import Reply
 from tests.cli_support import help_flags
 from tests.tiny import random_prompts, tiny_engine
@@ -261,6 +270,22 @@ def test_a_mappings_key_at_fault_is_named_by_the_mapping() -> None:
     with pytest.raises(ValidationError) as e:
         CompletionRequest(model="m", prompt="hi", logit_bias={"5": "much"})  # a value: its own location
     assert describe_invalid(e.value.errors())[1] == "logit_bias.5"
+    assert CompletionRequest(model="m", prompt="hi", logit_bias={"5": 1}).logit_bias == {5: 1.0}  # JSON's keys
+
+
+@pytest.mark.parametrize(("cls", "body", "says"), [
+    (CompletionRequest, dict(prompt="hi", logprobs=True), "logprobs: expected an integer, got true"),
+    (CompletionRequest, dict(prompt="hi", echo=1), "echo: expected true or false, got 1"),
+    (ResponsesRequest, dict(input="hi", store="no"), "store: expected true or false, got a string"),
+    (ResponsesRequest, dict(input="hi", max_output_tokens="9"), "max_output_tokens: expected an integer, got a string"),
+    (TokenizeRequest, dict(prompt="x", add_special_tokens=0), "add_special_tokens: expected true or false, got 0"),
+    (DetokenizeRequest, dict(tokens=[1, "2"]), "tokens.1: expected an integer, got a string"),
+])
+def test_every_body_takes_json_types_as_sent(cls: type, body: dict[str, Any], says: str) -> None:
+    """No endpoint's body coerces a value into another type (pydantic's lax mode read `true` as 1 max_tokens)."""
+    with pytest.raises(ValidationError) as e:
+        cls(model="m", **body)
+    assert describe_invalid(e.value.errors()) == (says, says.split(":")[0])
 
 
 BAD_BODIES = [  # (raw body, Content-Type, what the message must say, param)
@@ -290,6 +315,21 @@ BAD_BODIES = [  # (raw body, Content-Type, what the message must say, param)
      "stop: expected a string or a list of strings", "stop"),
     (b'{"messages": [{"role": "user", "content": "x"}], "temperature": 9}', "application/json",
      "model: Field required; temperature: Input should be less than or equal to 2", "model"),
+    # JSON's types as sent: nothing coerced into another (true is no 1, "0.5" no number), the type sent named
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": true}', "application/json",
+     "max_tokens: expected an integer, got true", "max_tokens"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "0.5"}', "application/json",
+     "temperature: expected a number, got a string", "temperature"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2.0}', "application/json",
+     "n: expected an integer, got 2.0", "n"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}', "application/json",
+     "stream: expected true or false, got a string", "stream"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "speculation": {"enabled": 0}}',
+     "application/json", "speculation.enabled: expected true or false, got 0", "speculation.enabled"),
+    (b'{"model": "m", "messages": ["x"]}', "application/json", "messages.0: expected an object, got a string",
+     "messages.0"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "speculation": "off"}', "application/json",
+     "speculation: expected an object, got a string", "speculation"),
 ]
 
 
