@@ -24,6 +24,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     Strict,
@@ -79,6 +80,39 @@ def one_of(expected: str) -> WrapValidator:
             raise PydanticCustomError("union_type", "expected {expected}", {"expected": expected}) from None
 
     return WrapValidator(check)
+
+
+def _integral(value: Any) -> Any:
+    """A JSON number without a fractional part as the integer it is (JSON Schema's `integer`: `12.0` is 12, as a
+    client's float arithmetic writes it); anything else goes on to the strict check (`12.5`, `true`, `"12"` fail)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+INTEGRAL = BeforeValidator(_integral)  # after a field's bounds in Annotated, so that the schema states them
+Int = Annotated[int, INTEGRAL]  # an integer field of a request body: see _integral
+
+
+def only(schema: dict[str, Any]) -> WithJsonSchema:
+    """The schema of the values a field accepts, where its others are refused by a validator with a message of its
+    own: clients (and schemathesis) read what is accepted instead of meeting it as a 400."""
+    return WithJsonSchema(schema)
+
+
+NULL = {"type": "null"}
+
+
+def text_schema(max_chars: int | None = None) -> dict[str, Any]:
+    """The schema of a non-empty string (of at most max_chars characters)."""
+    return {"type": "string", "minLength": 1} | ({"maxLength": max_chars} if max_chars else {})
+
+
+def texts_schema(min_items: int, max_items: int, max_chars: int | None = None) -> dict[str, Any]:
+    """The schema of a list of min_items to max_items non-empty strings (of at most max_chars characters)."""
+    return {"type": "array", "items": text_schema(max_chars), "minItems": min_items, "maxItems": max_items}
+
+
+TOKEN_IDS = {"type": "array", "items": {"type": "integer"}, "minItems": 1}  # a prompt's ids (the vocabulary bounds
+# them in the served schema: ingress._openapi)
 
 
 class ErrorInfo(BaseModel):
@@ -140,8 +174,8 @@ def describe_invalid(errors: list[dict[str, Any]], content_type: str = "applicat
 
 class Body(BaseModel):
     """A request body's object: JSON's own types as sent, none coerced into another (pydantic's strict mode), as at
-    OpenAI: `"12"`, `12.0` or `true` is no integer, `"yes"` or `1` no boolean, `"0.5"` no number (an integer is
-    one)."""
+    OpenAI: `"12"`, `12.5` or `true` is no integer, `"yes"` or `1` no boolean, `"0.5"` no number (an integer is
+    one). A number without a fractional part is an integer (`Int`: JSON Schema's rule, which the schema states)."""
 
     model_config = ConfigDict(strict=True)
 
@@ -152,7 +186,7 @@ class SpeculationOptions(Body):
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = True
-    max_sl: int | None = Field(default=None, ge=0, le=64)
+    max_sl: Annotated[int, Field(ge=0, le=64), INTEGRAL] | None = None
 
     def params(self) -> SpeculationParams:
         return SpeculationParams(enabled=self.enabled, max_sl=self.max_sl)
@@ -169,13 +203,15 @@ class _Common(Body):
     PROMPT_FIELD: ClassVar[str] = "prompt"  # the field the prompt's tokens come from, which an error about them names
 
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
+    max_tokens: Annotated[int, Field(ge=1, le=1 << 20), INTEGRAL] | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1, le=1 << 20)  # -1 or 0: no top-k (vLLM's convention)
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    stop: Annotated[str | list[str] | None, one_of("a string or a list of strings")] = None
-    n: int = Field(default=1, ge=1, le=MAX_N)  # choices: n engine requests (choice i samples with seed + i)
+    top_k: Int = Field(default=0, ge=-1, le=1 << 20)  # -1 or 0: no top-k (vLLM's convention)
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1), INTEGRAL] | None = None
+    stop: Annotated[str | list[str] | None, one_of("a string or a list of strings"),
+                    only({"anyOf": [text_schema(MAX_STOP_CHARS), texts_schema(0, MAX_STOP, MAX_STOP_CHARS), NULL]})
+                    ] = None  # _stops
+    n: Int = Field(default=1, ge=1, le=MAX_N)  # choices: n engine requests (choice i samples with seed + i)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
@@ -183,8 +219,8 @@ class _Common(Body):
     repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)  # vLLM's
     logit_bias: dict[Annotated[int, Strict(False)], float] | None = None  # token id (a JSON key: a string) -> bias
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # vLLM's extra parameters, from here on
-    min_tokens: int = Field(default=0, ge=0, le=1 << 20)
-    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    min_tokens: Int = Field(default=0, ge=0, le=1 << 20)
+    stop_token_ids: list[Int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -267,13 +303,15 @@ class _Common(Body):
 
 
 class CompletionRequest(_Common):
-    prompt: Annotated[str | list[str] | list[int] | list[list[int]],
-                      one_of("a string, a list of strings, a list of token ids or a list of token-id lists")]
-    max_tokens: int | None = Field(default=16, ge=1, le=1 << 20)  # OpenAI's default for completions
+    prompt: Annotated[str | list[str] | list[Int] | list[list[Int]],  # none empty (Engine.validate, _some_prompts)
+                      one_of("a string, a list of strings, a list of token ids or a list of token-id lists"),
+                      only({"anyOf": [text_schema(), texts_schema(1, MAX_PROMPTS), TOKEN_IDS,
+                                      {"type": "array", "items": TOKEN_IDS, "minItems": 1, "maxItems": MAX_PROMPTS}]})]
+    max_tokens: Annotated[int, Field(ge=1, le=1 << 20), INTEGRAL] | None = 16  # OpenAI's default for completions
     echo: bool = False  # the text starts with the prompt (and the log-probabilities with the prompt's)
     suffix: str | None = None  # refused unless empty (_unsupported)
-    best_of: int | None = None  # refused unless n (_unsupported)
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token (None: none)
+    best_of: Int | None = None  # refused unless n (_unsupported)
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None  # alternatives a token (None: none)
 
     def logprob_count(self) -> int | None:
         return self.logprobs
@@ -352,9 +390,9 @@ class ChatCompletionRequest(_Common):
     PROMPT_FIELD: ClassVar[str] = "messages"
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
+    max_completion_tokens: Annotated[int, Field(ge=1, le=1 << 20), INTEGRAL] | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
     add_generation_prompt: bool = True  # vLLM's: open the assistant's turn after the messages
     continue_final_message: bool = False  # vLLM's: the last message is the assistant's, its text continued (prefill)
     tools: list[Any] | None = None  # refused unless empty (_unsupported)
@@ -401,13 +439,6 @@ class InputMessage(ChatMessage):
     content: Annotated[str | list[InputTextPart], one_of("a string or a list of input_text parts")]
 
 
-def only(schema: dict[str, Any]) -> WithJsonSchema:
-    """The schema of the values a field accepts, where its others are refused by a validator with a message of its
-    own: clients (and schemathesis) read what is accepted instead of meeting it as a 400."""
-    return WithJsonSchema(schema)
-
-
-NULL = {"type": "null"}
 INCLUDE_LOGPROBS = "message.output_text.logprobs"  # the Responses API's `include` entry that asks for them
 STATEFUL = ("previous_response_id", "conversation", "prompt")  # fields that name something stored on the server
 
@@ -426,8 +457,8 @@ class ResponsesRequest(_Common):
 
     input: Annotated[str | list[InputMessage], one_of("a string or a list of messages {role, content}")]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    max_output_tokens: Annotated[int, Field(ge=1, le=1 << 20), INTEGRAL] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
     include: list[str] | None = None  # INCLUDE_LOGPROBS; the others name items (tool calls, images) never made here
     # returned as given; OpenAI's bounds: 16 pairs, keys of at most 64 characters, values of at most 512
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
@@ -439,7 +470,7 @@ class ResponsesRequest(_Common):
     service_tier: str | None = None
     parallel_tool_calls: bool | None = None
     # the rest are refused (_unsupported) but for the values their schemas state
-    n: Annotated[int, only({"type": "integer", "minimum": 1, "maximum": 1})] = 1  # one output
+    n: Annotated[Int, only({"type": "integer", "minimum": 1, "maximum": 1})] = 1  # one output
     tool_choice: Annotated[str | dict[str, Any] | None, only({"enum": ["auto", "none", None]})] = None  # no tools
     tools: Annotated[list[Any] | None, only({"anyOf": [{"type": "array", "maxItems": 0}, NULL]})] = None
     text: Annotated[dict[str, Any] | None, only({"anyOf": [{"type": "object", "properties": {"format": {
@@ -534,4 +565,4 @@ class DetokenizeRequest(Body):
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(min_length=1)
-    tokens: list[int] = Field(max_length=1 << 20)
+    tokens: list[Int] = Field(max_length=1 << 20)

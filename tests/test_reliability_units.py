@@ -270,6 +270,29 @@ def test_the_tokenize_schema_accepts_exactly_the_bodies_the_endpoint_accepts() -
         assert describe_invalid(e.value.errors()) == ("give either prompt or messages", param)
 
 
+def test_the_completions_schema_accepts_the_integers_and_stops_the_body_accepts_and_no_empty_prompt() -> None:
+    """schemathesis' /v1/completions bodies were mostly refused (CI, 2026-12-01): it writes JSON Schema integers as
+    27.0, which the strict body refused, and the schema allowed the empty prompts the engine refuses. The body takes
+    integral numbers as integers now, and the schema states no prompt may be empty."""
+    import jsonschema
+
+    from services.protocol import CompletionRequest
+    from tests.service_support import schema_verdicts
+
+    stops = [{"stop": s} for s in ("a", "", [], ["a", "b"], ["a", ""], ["x"] * 16, ["x"] * 17, "x" * 256, "x" * 257)]
+    ints = [{"max_tokens": v} for v in (12, 12.0, 12.5, True, "12", 0.0)] + [{"prompt": [5.0, 7]}, {"prompt": [1.5]},
+                                                                          {"prompt": [[1.0], [2, 3.0]]}, {"n": 2.0}]
+    bodies = [{"model": "m", "prompt": "hi", **b} for b in stops + ints]
+    assert schema_verdicts(CompletionRequest, bodies) == [True, False, True, True, False, True, False, True, False,
+                                                          True, True, False, False, False, False, True, False, True,
+                                                          True]
+    schema = jsonschema.Draft202012Validator(CompletionRequest.model_json_schema())
+    for empty in ("", [], [""], ["a", ""], [[]], [[1], []]):  # the body passes them on; Engine.validate refuses them
+        assert not schema.is_valid({"model": "m", "prompt": empty}), empty
+        assert CompletionRequest(model="m", prompt=empty).prompts()
+    assert schema.is_valid({"model": "m", "prompt": ["a", "b"]}) and schema.is_valid({"model": "m", "prompt": [1]})
+
+
 def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token() -> None:
     import torch
 

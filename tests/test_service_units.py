@@ -320,8 +320,8 @@ BAD_BODIES = [  # (raw body, Content-Type, what the message must say, param)
      "max_tokens: expected an integer, got true", "max_tokens"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "0.5"}', "application/json",
      "temperature: expected a number, got a string", "temperature"),
-    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2.0}', "application/json",
-     "n: expected an integer, got 2.0", "n"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2.5}', "application/json",
+     "n: expected an integer, got 2.5", "n"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}', "application/json",
      "stream: expected true or false, got a string", "stream"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "speculation": {"enabled": 0}}',
@@ -368,6 +368,29 @@ def test_a_union_field_names_what_it_takes_in_one_error() -> None:
         CompletionRequest(model="m", prompt="x", stop=["a", ""])
     text = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     assert ChatCompletionRequest(model="m", messages=[{"role": "user", "content": text}]).chat()[0]["content"] == "ab"
+
+
+def test_a_number_without_a_fraction_is_an_integer_and_a_fraction_or_a_boolean_is_not() -> None:
+    """JSON Schema's `integer` (what the OpenAPI schema states) takes 12.0: a client's float arithmetic writes it so.
+    Every integer field of every body takes it as the integer; 12.5, true and "12" stay refused."""
+    user = [{"role": "user", "content": "x"}]
+    c = CompletionRequest(model="m", prompt=[5.0, 7], max_tokens=12.0, n=2.0, best_of=2.0, top_k=-1.0, seed=3.0,
+                          min_tokens=1.0, stop_token_ids=[9.0], logprobs=2.0, speculation={"max_sl": 4.0})
+    assert (c.prompt, c.max_tokens, c.n, c.top_k, c.seed, c.min_tokens) == ([5, 7], 12, 2, -1, 3, 1)
+    assert (c.stop_token_ids, c.logprobs, c.speculation.max_sl) == ([9], 2, 4)
+    assert all(type(v) is int for v in (*c.prompt, c.max_tokens, c.n, c.seed, c.speculation.max_sl))
+    assert CompletionRequest(model="m", prompt=[[1.0, 2.0], [3]]).prompts() == [[1, 2], [3]]
+    assert ChatCompletionRequest(model="m", messages=user, max_completion_tokens=8.0, logprobs=True,
+                                 top_logprobs=3.0).max_tokens == 8
+    assert ResponsesRequest(model="m", input="x", max_output_tokens=5.0, n=1.0).max_output_tokens == 5
+    assert DetokenizeRequest(model="m", tokens=[1.0, 2]).tokens == [1, 2]
+    for bad, says in [(dict(max_tokens=12.5), "max_tokens"), (dict(max_tokens=True), "max_tokens"),
+                      (dict(max_tokens="12"), "max_tokens"), (dict(seed=float("inf")), "seed"),
+                      (dict(n=float("nan")), "n"), (dict(prompt=[1.5]), "prompt"),
+                      (dict(max_tokens=0.0), "max_tokens")]:
+        with pytest.raises(ValidationError) as e:
+            CompletionRequest(**{"model": "m", "prompt": "x", **bad})
+        assert e.value.errors()[0]["loc"][0] == says, (bad, e.value)
 
 
 def test_unknown_fields_are_ignored_and_named_in_the_log(caplog: pytest.LogCaptureFixture) -> None:
