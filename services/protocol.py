@@ -90,6 +90,8 @@ def _integral(value: Any) -> Any:
 
 INTEGRAL = BeforeValidator(_integral)  # after a field's bounds in Annotated, so that the schema states them
 Int = Annotated[int, INTEGRAL]  # an integer field of a request body: see _integral
+TokenCount = Annotated[int, Field(ge=1, le=1 << 20), INTEGRAL]  # max_tokens and its aliases
+LogprobCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL]  # alternatives a token
 
 
 def only(schema: dict[str, Any]) -> WithJsonSchema:
@@ -106,13 +108,12 @@ def text_schema(max_chars: int | None = None) -> dict[str, Any]:
     return {"type": "string", "minLength": 1} | ({"maxLength": max_chars} if max_chars else {})
 
 
-def texts_schema(min_items: int, max_items: int, max_chars: int | None = None) -> dict[str, Any]:
-    """The schema of a list of min_items to max_items non-empty strings (of at most max_chars characters)."""
-    return {"type": "array", "items": text_schema(max_chars), "minItems": min_items, "maxItems": max_items}
+def array_schema(items: dict[str, Any], min_items: int, max_items: int | None = None) -> dict[str, Any]:
+    """The schema of a list of min_items (to max_items) `items`."""
+    return {"type": "array", "items": items, "minItems": min_items} | ({"maxItems": max_items} if max_items else {})
 
 
-TOKEN_IDS = {"type": "array", "items": {"type": "integer"}, "minItems": 1}  # a prompt's ids (the vocabulary bounds
-# them in the served schema: ingress._openapi)
+TOKEN_IDS = array_schema({"type": "integer"}, 1)  # a prompt's ids (the served schema bounds them: ingress._openapi)
 
 
 class ErrorInfo(BaseModel):
@@ -203,14 +204,13 @@ class _Common(Body):
     PROMPT_FIELD: ClassVar[str] = "prompt"  # the field the prompt's tokens come from, which an error about them names
 
     model: str = Field(min_length=1)
-    max_tokens: Annotated[int, Field(ge=1, le=1 << 20), INTEGRAL] | None = None
+    max_tokens: TokenCount | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: Int = Field(default=0, ge=-1, le=1 << 20)  # -1 or 0: no top-k (vLLM's convention)
     seed: Annotated[int, Field(ge=0, le=2**63 - 1), INTEGRAL] | None = None
-    stop: Annotated[str | list[str] | None, one_of("a string or a list of strings"),
-                    only({"anyOf": [text_schema(MAX_STOP_CHARS), texts_schema(0, MAX_STOP, MAX_STOP_CHARS), NULL]})
-                    ] = None  # _stops
+    stop: Annotated[str | list[str] | None, one_of("a string or a list of strings"), only({"anyOf": [  # _stops
+        text_schema(MAX_STOP_CHARS), array_schema(text_schema(MAX_STOP_CHARS), 0, MAX_STOP), NULL]})] = None
     n: Int = Field(default=1, ge=1, le=MAX_N)  # choices: n engine requests (choice i samples with seed + i)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -305,13 +305,13 @@ class _Common(Body):
 class CompletionRequest(_Common):
     prompt: Annotated[str | list[str] | list[Int] | list[list[Int]],  # none empty (Engine.validate, _some_prompts)
                       one_of("a string, a list of strings, a list of token ids or a list of token-id lists"),
-                      only({"anyOf": [text_schema(), texts_schema(1, MAX_PROMPTS), TOKEN_IDS,
-                                      {"type": "array", "items": TOKEN_IDS, "minItems": 1, "maxItems": MAX_PROMPTS}]})]
-    max_tokens: Annotated[int, Field(ge=1, le=1 << 20), INTEGRAL] | None = 16  # OpenAI's default for completions
+                      only({"anyOf": [text_schema(), array_schema(text_schema(), 1, MAX_PROMPTS), TOKEN_IDS,
+                                      array_schema(TOKEN_IDS, 1, MAX_PROMPTS)]})]
+    max_tokens: TokenCount | None = 16  # OpenAI's default for completions
     echo: bool = False  # the text starts with the prompt (and the log-probabilities with the prompt's)
     suffix: str | None = None  # refused unless empty (_unsupported)
     best_of: Int | None = None  # refused unless n (_unsupported)
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None  # alternatives a token (None: none)
+    logprobs: LogprobCount | None = None  # alternatives per token (None: none)
 
     def logprob_count(self) -> int | None:
         return self.logprobs
@@ -390,9 +390,9 @@ class ChatCompletionRequest(_Common):
     PROMPT_FIELD: ClassVar[str] = "messages"
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Annotated[int, Field(ge=1, le=1 << 20), INTEGRAL] | None = None
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
+    top_logprobs: LogprobCount | None = None
     add_generation_prompt: bool = True  # vLLM's: open the assistant's turn after the messages
     continue_final_message: bool = False  # vLLM's: the last message is the assistant's, its text continued (prefill)
     tools: list[Any] | None = None  # refused unless empty (_unsupported)
@@ -457,8 +457,8 @@ class ResponsesRequest(_Common):
 
     input: Annotated[str | list[InputMessage], one_of("a string or a list of messages {role, content}")]
     instructions: str | None = None
-    max_output_tokens: Annotated[int, Field(ge=1, le=1 << 20), INTEGRAL] | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
+    max_output_tokens: TokenCount | None = None
+    top_logprobs: LogprobCount | None = None
     include: list[str] | None = None  # INCLUDE_LOGPROBS; the others name items (tool calls, images) never made here
     # returned as given; OpenAI's bounds: 16 pairs, keys of at most 64 characters, values of at most 512
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
