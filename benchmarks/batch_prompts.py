@@ -1,5 +1,5 @@
 """The eight chat prompts of the batch figures: benchmarks/perf.py's batch runs and service_throughput.py's bursts
-(and service_env_ab.py's, through it) send the same work. Imported by name, as the scripts import their siblings."""
+send the same work. Imported by name, as the scripts import their siblings."""
 
 BATCH_PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",

@@ -1,4 +1,4 @@
-"""Performance figures of issue 2 on this machine: prints a table, writes JSON. Not a test.
+"""The engine's speed at batch 1 against target-only and transformers on this machine: a table, and JSON. Not a test.
 
     .venv/bin/python benchmarks/perf.py [--runs 3] [--max-tokens 128] [--out results/perf.json]
 
@@ -9,9 +9,8 @@ Batch 1, greedy, bf16, the embedded pair (Qwen2.5-Coder 0.5B draft / 1.5B target
 - batch 8 against batch 1 throughput, target-only and DSDE.
 Median of --runs runs per figure; ratios are taken within this one run (the machine is shared and noisy). The
 systems of a prompt (and the batch figures) run round-robin, one run of each per round, so a phase of the
-machine's speed falls on every system of a round rather than on one system's runs (run one after another, on
-the AMD EPYC of 2026-11-29 target-only read 17.9 tok/s on the code prompt and 11.8 on the prose one, 1.01x apart
-on a Xeon); the machine probe (dsde_bench.probe) is kept before each round and after the last (`probe_ms`).
+machine's speed falls on every system of a round rather than on one system's runs; the machine probe
+(dsde_bench.probe) is kept before each round and after the last (`probe_ms`).
 """
 
 from __future__ import annotations

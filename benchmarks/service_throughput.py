@@ -14,7 +14,7 @@ slots). In-process (dsde_core's SpeculativeLLM), then `--rounds` times: a local 
 and in-process again. Throughput is generated tokens / wall time from the first request sent to the last token
 received, after one warm-up request each. This machine's speed drifts by 10-20% over minutes, so each service run
 is set against the mean of the in-process runs just before and after it, and the figure is the median of those
-ratios. The goal (issue 3): service >= 0.9 x in-process.
+ratios. The goal: service >= 0.9 x in-process.
 
 Where the difference goes: in each round, once the app is up (and 5 s more) and before the burst, the in-process
 engine runs the same prompts again beside the idle cluster (Ray's processes, Serve's controller, proxy and replica,

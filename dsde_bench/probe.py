@@ -1,9 +1,9 @@
 """How fast is the machine right now? One fixed target forward (batch 1, one query token over PROBE_CONTEXT tokens of
 cache), timed: identical work every time, so a change in its time is the machine's, not the engine's.
 
-On the 2-core AMD EPYC of 2026-11-29 that forward took ~48 ms in some phases and ~70 ms in others, phases of seconds
-to a minute (benchmarks/forward_phases.py): a 4-prompt cell of ~4 s falls in one or the other. `dsde bench` probes
-before and after every round, so a round that ran in a slow phase says so in the results.
+A shared machine's speed can move in phases of seconds to a minute, and a cell of a few seconds falls in one or
+another. `dsde bench` probes before and after every round, so a round that ran in a slow phase says so in the
+results (probe_ms).
 """
 
 from __future__ import annotations
