@@ -1,113 +1,19 @@
-"""`dsde generate | prepare | serve | check-config | bench`.
+"""`dsde generate | prepare | serve | check-config | bench`: one parser, each command's handler run by run_command.
 
-generate and prepare are dsde_core.cli's (in-process, no Ray); serve starts a local Ray cluster and the
-OpenAI-compatible service on it (services.launch); check-config reads a Serve config file as `serve deploy` would
-(services.config_file); bench is dsde_bench's (imported when used).
+generate and prepare run in-process (dsde_cli.generate); serve and check-config reach services/ and Ray
+(dsde_cli.serve); bench is dsde_bench's (imported when used).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
+from dsde_cli import generate, serve
 from dsde_core import __version__
-from dsde_core import cli as core_cli
-from dsde_core.models.loader import DEFAULT_DRAFT, DEFAULT_TARGET
-from dsde_core.policies import POLICY_NAMES
-
-if TYPE_CHECKING:
-    from services.launch import LocalServe
-
-
-def _add_serve(sub: Any) -> None:
-    s = sub.add_parser("serve", help="serve the OpenAI-compatible API on a local Ray cluster (Ctrl-C stops it)")
-    s.add_argument("--draft", default=DEFAULT_DRAFT, help="embedded name, HF model directory or .gguf file; "
-                                                          "'none' for target-only serving")
-    s.add_argument("--target", default=DEFAULT_TARGET, help="embedded name, HF model directory or .gguf file")
-    s.add_argument("--model-name", default=None, help="the model name clients send (default: the target's)")
-    s.add_argument("--policy", default="dsde", help=f"initial policy: {', '.join(POLICY_NAMES)} (static:K, dsde:MAX)")
-    s.add_argument("--dtype", default="bfloat16", help="bfloat16 (fast) or float32")
-    s.add_argument("--device", default="auto", help="auto (cuda when an actor has a GPU), cpu or cuda[:N]")
-    s.add_argument("--max-batch-size", type=int, default=8, help="KV slots: sequences decoded together")
-    s.add_argument("--max-seq-len", type=int, default=2048, help="context window per sequence")
-    s.add_argument("--draft-window", type=int, default=None, metavar="N",
-                   help="the draft takes in only the last N tokens of a prompt (README, Draft window; default: off)")
-    s.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
-                   help="chunked prefill: the most prompt tokens each model takes in a step, while the running "
-                        "requests decode (README, Chunked prefill; default 4096; 0: no limit)")
-    s.add_argument("--threads", type=int, default=None, help="torch threads per model actor (default: all cores)")
-    s.add_argument("--num-gpus", type=float, default=0.0, help="GPUs for each model actor (default 0)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--metrics-port", type=int, default=8080, help="Prometheus endpoint of Ray's metrics export")
-    s.add_argument("--prometheus-sd", default="auto", metavar="FILE",
-                   help="Prometheus service-discovery file to write while serving (default 'auto': Ray's, "
-                        "/tmp/ray/prom_metrics_service_discovery.json, which deploy/prometheus/prometheus.yml reads; "
-                        "'none': write none)")
-    s.add_argument("--num-cpus", type=int, default=None, help="Ray's logical CPUs (default: the machine's)")
-    s.add_argument("--worker-niceness", type=int, default=0,
-                   help="nice level of Ray's workers, the model actors included (default 0; Ray's own default is 15)")
-    s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: $DSDE_API_KEY)")
-    s.add_argument("--max-queue", type=int, default=64,
-                   help="requests that may wait for a KV slot; more get 429 with Retry-After (default 64)")
-    s.add_argument("--request-timeout", type=float, default=600.0,
-                   help="seconds before an unfinished request ends with 504 (default 600)")
-
-
-def _serve(args: argparse.Namespace) -> int:
-    try:
-        from services.launch import serve_forever
-        opts = local_serve(args)
-    except ImportError as e:
-        print(f"dsde: error: `dsde serve` needs the serve extra ({e}); run make setup or "
-              f"pip install -e '.[serve]'", file=sys.stderr)
-        return 2
-    return serve_forever(opts, log=lambda msg: print(msg, flush=True))
-
-
-def local_serve(args: argparse.Namespace) -> LocalServe:
-    """`dsde serve`'s flags as services.launch.LocalServe: the app's ServiceConfig arguments and the local cluster's."""
-    from services.launch import LocalServe
-
-    app_args = {"draft": args.draft, "target": args.target, "model_name": args.model_name, "policy": args.policy,
-                "dtype": args.dtype, "device": args.device, "max_batch_size": args.max_batch_size,
-                "max_seq_len": args.max_seq_len, "num_threads": args.threads,
-                "draft_num_gpus": args.num_gpus, "target_num_gpus": args.num_gpus, "max_queue": args.max_queue,
-                "request_timeout_s": args.request_timeout}
-    if args.api_key:
-        app_args["api_key"] = args.api_key
-    if args.draft_window is not None:
-        app_args["draft_window"] = args.draft_window
-    if args.prefill_chunk is not None:
-        app_args["prefill_chunk"] = None if args.prefill_chunk == 0 else args.prefill_chunk
-    return LocalServe(app_args, host=args.host, port=args.port, num_cpus=args.num_cpus,
-                      metrics_port=args.metrics_port or None, worker_niceness=args.worker_niceness,
-                      prometheus_sd=None if args.prometheus_sd.lower() == "none" else args.prometheus_sd)
-
-
-def _add_check_config(sub: Any) -> None:
-    c = sub.add_parser("check-config", help="check a Serve config file (serve deploy FILE) without a cluster")
-    c.add_argument("file", help="a Serve config file, e.g. deploy/config.yaml")
-
-
-def _check_config(args: argparse.Namespace) -> int:
-    """Each application in one line, a note for a model source that is not on this machine (on a cluster it must be
-    on every node, which this machine cannot see) and one for a policy that asks for more than the engine's max_sl
-    lets a step draft; a problem is an error naming the application and field."""
-    from dsde_core.models.loader import model_source_exists
-    from services.config_file import check_config_file
-
-    for app in check_config_file(args.file):
-        print(app.describe())
-        sources = (app.config.target, app.config.draft) if app.config else ()
-        for source in [s for s in sources if s is not None and not model_source_exists(s)]:
-            print(f"  note: model {source!r} is not on this machine; every node that runs a replica needs it")
-        if note := app.ceiling_note():
-            print(f"  note: {note}")
-    print(f"{args.file}: ok")
-    return 0
+from dsde_core.errors import DSDEError
 
 
 def _add_bench(sub: Any) -> None:
@@ -128,18 +34,28 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsde", description="DSDE speculative decoding: in-process or as a service")
     p.add_argument("--version", action="version", version=f"dsde {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    handlers = core_cli.add_commands(sub)
-    _add_serve(sub)
-    _add_check_config(sub)
+    handlers = {**generate.add_commands(sub), **serve.add_commands(sub)}
     _add_bench(sub)
-    handlers.update(serve=_serve, bench=_bench, **{"check-config": _check_config})
+    handlers["bench"] = _bench
     p.set_defaults(_handlers=handlers)
     return p
 
 
+def run_command(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run a command's handler: a DSDEError (bad input, a missing model) is one line on stderr and exit status 2,
+    Ctrl-C is 130, never a traceback."""
+    try:
+        return handler(args)
+    except DSDEError as e:
+        print(f"dsde: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    return core_cli.run_command(args._handlers[args.command], args)
+    return run_command(args._handlers[args.command], args)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pytest
 
 from tests.cli_support import help_flags
 
-DSDE = [sys.executable, "-m", "dsde_core.cli"]
+DSDE = [sys.executable, "-m", "dsde_cli.main"]
 
 
 def _dsde(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -57,7 +57,8 @@ def test_generate_compare_is_identical_in_fp32_on_the_real_pair() -> None:
 def test_every_generate_flag_reaches_the_sampling_the_engine_or_the_output(monkeypatch, capsys) -> None:
     """Each of `dsde generate`'s flags, given a value other than its default, reaches what it names (a fake LLM
     records what the command asks of it; the real pair is the test above). A new flag fails this until listed."""
-    from dsde_core import cli
+    from dsde_cli import generate as cli
+    from dsde_cli import main as dsde_main
     from dsde_core.llm import GenerationResult
     from dsde_core.request import RequestStats
 
@@ -86,9 +87,9 @@ def test_every_generate_flag_reaches_the_sampling_the_engine_or_the_output(monke
              "--seed": "11", "--presence-penalty": "0.25", "--frequency-penalty": "0.5", "--repetition-penalty": "1.1",
              "--dtype": "float32", "--device": "cpu", "--threads": "1", "--draft": "d", "--target": "t"}
     switches = ["--chat", "--compare", "--json"]
-    flags = help_flags(cli._parser(), "generate")
+    flags = help_flags(dsde_main.parser(), "generate")
     assert flags == set(given) | set(switches), flags ^ (set(given) | set(switches))
-    assert cli.main(["generate", "hi", *[x for kv in given.items() for x in kv], *switches]) == 0
+    assert dsde_main.main(["generate", "hi", *[x for kv in given.items() for x in kv], *switches]) == 0
     load = calls["load"]
     assert (load["draft"], load["target"]) == ("d", "t")
     assert (load["config"].dtype, load["config"].device, load["config"].num_threads) == ("float32", "cpu", 1)
@@ -102,10 +103,9 @@ def test_every_generate_flag_reaches_the_sampling_the_engine_or_the_output(monke
 
 
 def test_a_command_ends_in_a_status_never_a_traceback(capsys) -> None:
-    """Both CLIs (dsde_core.cli and the `dsde` command) run their handlers through run_command: a DSDEError is one
-    line on stderr and status 2, Ctrl-C (KeyboardInterrupt) status 130, otherwise the handler's own status."""
+    """The `dsde` command runs its handlers through run_command: a DSDEError is one line on stderr and status 2,
+    Ctrl-C (KeyboardInterrupt) status 130, otherwise the handler's own status."""
     from dsde_cli import main as dsde_main
-    from dsde_core import cli
     from dsde_core.errors import ConfigError
 
     def fails(args) -> int:
@@ -114,10 +114,10 @@ def test_a_command_ends_in_a_status_never_a_traceback(capsys) -> None:
     def interrupted(args) -> int:
         raise KeyboardInterrupt
 
-    assert cli.run_command(fails, None) == 2
+    assert dsde_main.run_command(fails, None) == 2
     assert capsys.readouterr().err == "dsde: error: max_tokens must be >= 1\n"
-    assert cli.run_command(interrupted, None) == 130
-    assert cli.run_command(lambda args: 7, None) == 7
+    assert dsde_main.run_command(interrupted, None) == 130
+    assert dsde_main.run_command(lambda args: 7, None) == 7
     # the `dsde` command's handlers go through it
     assert dsde_main.main(["generate", "hi", "--max-tokens", "0"]) == 2
     err = capsys.readouterr().err

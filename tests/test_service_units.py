@@ -621,7 +621,8 @@ def test_every_dsde_serve_flag_reaches_the_service_or_its_cluster() -> None:
     """A flag that parses but never reaches its setting is silently ignored: each of `dsde serve`'s flags, given a
     value other than its default, shows up in the app's ServiceConfig or in the local cluster's LocalServe (and a new
     flag fails this test until it is listed here)."""
-    from dsde_cli.main import local_serve, parser
+    from dsde_cli.main import parser
+    from dsde_cli.serve import local_serve
     from services.config import ServiceConfig
 
     given = {  # flag: (value, "cfg" or "local", field, expected)

@@ -1,10 +1,10 @@
-"""The `dsde` command: generate text with speculative decoding in-process."""
+"""`dsde generate` (one prompt through speculative decoding, in-process, no Ray) and `dsde prepare` (the embedded
+models joined, verified and converted once, into the cache)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -12,22 +12,15 @@ from typing import Any
 from transformers.utils import logging as hf_logging
 
 from dsde_core.config import EngineConfig, SamplingParams
-from dsde_core.errors import ConfigError, DSDEError
+from dsde_core.errors import ConfigError
 from dsde_core.llm import GenerationResult, SpeculativeLLM
 from dsde_core.models.loader import DEFAULT_DRAFT, DEFAULT_TARGET
 from dsde_core.models.packaged import EMBEDDED, ensure_embedded
 from dsde_core.policies import POLICY_NAMES, make_policy
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dsde", description="DSDE speculative decoding")
-    add_commands(parser.add_subparsers(dest="command", required=True))
-    return parser
-
-
 def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
-    """Add `generate` and `prepare` to an argparse subparsers object; returns their handlers by name.
-    The `dsde` command (dsde_cli) builds on this; `python -m dsde_core.cli` runs these two alone."""
+    """Add `generate` and `prepare` to an argparse subparsers object; returns their handlers by name."""
     g = sub.add_parser("generate", help="generate text for one prompt and print speculation stats")
     g.add_argument("prompt")
     g.add_argument("--policy", default="dsde",
@@ -120,24 +113,3 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"[target-only] {bt['tokens']} tokens = {bt['tokens_per_s']:.2f} tok/s | speedup "
               f"{report['speedup']:.2f}x | outputs identical: {report['identical']}")
     return 0
-
-
-def run_command(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
-    """Run a command's handler: a DSDEError (bad input, a missing model) is one line on stderr and exit status 2,
-    Ctrl-C is 130, never a traceback."""
-    try:
-        return handler(args)
-    except DSDEError as e:
-        print(f"dsde: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    return run_command({"generate": _generate, "prepare": _prepare}[args.command], args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
