@@ -174,5 +174,5 @@ def test_grafana_provisioning_points_at_the_local_prometheus_and_the_dashboards(
     assert ds["jsonData"]["timeInterval"] == scrape  # Grafana's $__rate_interval follows the scrape interval
     [provider] = yaml.safe_load((prov / "dashboards" / "dsde.yml").read_text())["providers"]
     assert provider["type"] == "file" and provider["options"]["path"] == "/var/lib/grafana/dashboards/dsde"
-    readme = (ROOT / "README.md").read_text()
-    assert '-v "$PWD/deploy/grafana/dashboards:/var/lib/grafana/dashboards/dsde:ro"' in readme
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    assert '-v "$PWD/deploy/grafana/dashboards:/var/lib/grafana/dashboards/dsde:ro"' in operations
