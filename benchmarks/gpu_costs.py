@@ -22,7 +22,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from dsde_bench.provenance import code_version
-from dsde_bench.simulator import measure_costs
+from dsde_bench.sim.costs import measure_costs
 from dsde_core.models.llama import LlamaModel
 from dsde_core.models.runner import ModelRunner
 

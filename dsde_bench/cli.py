@@ -388,19 +388,17 @@ def _simulate(args: argparse.Namespace) -> int:
     from dsde_bench.plots import simulate_plots
     from dsde_bench.report import simulate_section
     from dsde_bench.runner import WARM_SEED_OFFSET, other_prompts
-    from dsde_bench.simulator import (
-        DEFAULT_SIM_POLICIES,
+    from dsde_bench.sim.costs import (
         CostModel,
         builtin_profile,
         fit_engine_steps,
         load_costs_file,
-        make_sim_policy,
         measure_costs,
         parse_profile,
-        sweep,
     )
-    from dsde_bench.trace import Trace, record
-    from dsde_bench.validate import validate
+    from dsde_bench.sim.simulator import DEFAULT_SIM_POLICIES, make_sim_policy, sweep
+    from dsde_bench.sim.trace import Trace, record
+    from dsde_bench.sim.validate import validate
 
     if args.sim_closed and args.sim_requests is not None:
         raise ConfigError("--sim-closed runs each prompt once: drop --sim-requests")

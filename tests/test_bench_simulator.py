@@ -11,20 +11,17 @@ import pytest
 from dsde_bench.backend import tiny_backend
 from dsde_bench.metrics import summarize
 from dsde_bench.runner import Warmup, run_cell, sampling_params
-from dsde_bench.simulator import (
-    DEFAULT_SIM_POLICIES,
+from dsde_bench.sim.costs import (
     CostModel,
-    OraclePolicy,
     ProfileCosts,
     builtin_profile,
     fit_engine_steps,
     load_costs_file,
     parse_profile,
-    simulate,
-    sweep,
 )
-from dsde_bench.trace import SeqTrace, Trace, record
-from dsde_bench.validate import validate
+from dsde_bench.sim.simulator import DEFAULT_SIM_POLICIES, OraclePolicy, simulate, sweep
+from dsde_bench.sim.trace import SeqTrace, Trace, record
+from dsde_bench.sim.validate import validate
 from dsde_core.errors import ConfigError
 
 HORIZON = 8
@@ -281,9 +278,12 @@ def test_oracle_policy_reads_its_lookahead() -> None:
     assert [p.k for p in o.plan([SeqInfo("a", 0.0, 3), SeqInfo("b", 0.0, 3), SeqInfo("c", 0.0, 3)])] == [3, 0, 0]
 
 
+@pytest.mark.slow
 @pytest.mark.real_models
 def test_replay_matches_the_engine_on_the_real_pair() -> None:
-    """The same check on the embedded Qwen2.5-Coder pair in bf16 (2 HumanEval prompts, 24 tokens)."""
+    """The same check on the embedded Qwen2.5-Coder pair in bf16 (2 HumanEval prompts, 24 tokens): a benchmark
+    validation of many minutes on a small CPU; test_replay_matches_the_engine holds the replay to the engine on the
+    tiny pair in the default suite."""
     from dsde_bench.backend import load_backend
     from dsde_bench.workloads import DataPackageMissing, load_workload
 

@@ -9,8 +9,9 @@ from typing import Any
 from dsde_bench.backend import Backend
 from dsde_bench.metrics import summarize
 from dsde_bench.runner import run_cell, sampling_params
-from dsde_bench.simulator import ProfileCosts, builtin_profile, make_sim_policy, simulate
-from dsde_bench.trace import Trace
+from dsde_bench.sim.costs import ProfileCosts, builtin_profile
+from dsde_bench.sim.simulator import make_sim_policy, simulate
+from dsde_bench.sim.trace import Trace
 from dsde_core.errors import ConfigError
 
 TOLERANCE = 0.05
@@ -54,7 +55,7 @@ def validate(backend: Backend, traces: Sequence[Trace], policies: Sequence[str],
 
 
 def _unit_cost() -> Any:
-    from dsde_bench.simulator import CostModel
+    from dsde_bench.sim.costs import CostModel
 
     return CostModel("unit", 1.0, 0.0, 0.0, 0.0)
 
