@@ -51,6 +51,7 @@ from dsde_core.engine import Engine
 from dsde_core.errors import ConfigError, VocabularyMismatchError, WorkerUnavailable
 from dsde_core.request import RequestOutput
 from services import transport
+from services.completion_bodies import DONE, Reply, sse
 from services.config import PolicyConfig, ServiceConfig
 from services.metrics import ObservedPolicy, ServiceMetrics
 from services.metrics import current as current_metrics
@@ -66,7 +67,6 @@ from services.protocol import (
     error_body,
 )
 from services.proxies import ControllerProxy, DraftProxy, TargetProxy
-from services.responses import DONE, Reply, sse
 from services.responses_api import ResponsesReply
 
 log = logging.getLogger("ray.serve")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsde_core.request import RequestOutput
-from services.responses import Reply, speculation_stats
+from services.completion_bodies import Reply, speculation_stats
 
 
 def sse_event(obj: dict[str, Any]) -> str:

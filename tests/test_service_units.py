@@ -17,6 +17,7 @@ from dsde_core.errors import ConfigError
 from dsde_core.policies import CappedPolicy, DSDEPolicy, SeqInfo, StaticPolicy
 from dsde_core.request import RequestOutput, RequestStats
 from dsde_core.sampling import TokenLogprob
+from services.completion_bodies import Reply
 from services.config import PolicyConfig, ServiceConfig, build_policy
 from services.controller import Controller
 from services.ingress import choice_params, merge
@@ -30,7 +31,6 @@ from services.protocol import (
     describe_invalid,
     error_body,
 )
-from services.responses import Reply
 from tests.cli_support import help_flags
 from tests.tiny import random_prompts, tiny_engine
 

@@ -1,4 +1,5 @@
-"""OpenAI response bodies and server-sent-event chunks, from the engine's outputs.
+"""Completions and chat completions response bodies and server-sent-event chunks, from the engine's outputs
+(the Responses API's are services.responses_api's).
 
 Beside the standard fields, every final body (and the last chunk of a stream) carries `speculation`: the
 request's drafted and accepted tokens, acceptance rate, mean speculation length and target steps (a body's over all
