@@ -1,36 +1,34 @@
 """The step-cost model: what the forwards of a step will cost, learnt online from the steps the engine times.
 
 One engine step over a batch of B sequences, sequence i feeding n_i pending tokens (1 when decoding) and k_i drafts:
-    verify = V(sum_i (n_i + k_i))               one ragged target forward; V(n) = seconds over n query tokens
-    draft  = sum_{l=1..max k} D(m_l)            one batched draft forward per level, m_l = rows drafting at level l
-V is a table, not a line: on a CPU a oneDNN GEMM is flat in the rows up to a block of 16 and then jumps (here
-+45 ms, a third of a step, from 16 to 17 query tokens), and a GPU forward is flat up to its compute knee. The
-target's forward is timed on its own every step with its exact n (a prompt's prefill included), so
-OnlineCostModel keeps the last `memory` times seen at each n and takes their median: a shared machine's bursts (a
-step of 150 ms taking 360) would pull a running mean up by a third for as long as they are remembered. The medians
-are made non-decreasing by a weighted isotonic fit (pool adjacent violators, each n weighted by the times it holds):
-one slow forward at an n seen once is averaged with the well-known n above it instead of raising every n above it,
-as a running maximum would. An n it has not seen is priced linearly between the n seen around it (optimistic just
-past a jump, so that n gets tried once and learnt), and past them as a linear prior scaled to the nearest n seen.
-A forward also costs more the longer the rows' contexts (attention over caches padded to the longest row): on chat at
-batch 4 (bf16 here) a forward with a ~940-token prompt in the batch took ~25% longer than at ~100 tokens, at every n.
-So the table is kept at context 0: with c the longest row's context,
-    V(n, c) = V(n) exp(gamma c)
-each time is divided by exp(gamma c) before the medians are taken and an estimate is scaled to the batch's c, with
-gamma the slope of log seconds on c among forwards over the same n (ContextSlope; 0 until the contexts vary, as in the
-simulator, which gives none). A table by n alone mixed contexts: target-only steps (n = B) came with the long prompt in
-the batch (what turns the batch off), drafting steps at short contexts, so drafting looked cheaper than it was (replayed
-chat T = 1 batch 4 steps: forwards that verified drafts at contexts of 400+ took 11% longer than priced, 2% with
-gamma). The draft's calls are scaled by the same factor (measured: +39% a level at 1000 tokens, the target +32%).
-The draft's forward is only timed per call (several levels), so D(m) = D0 + D1 m over m rows is fitted by recursive
-least squares to (forwards, rows summed over them) -> seconds, on the calls that only drafted. A call that also took
-in context tokens (a sequence's first draft step prefills the draft with its whole context; a lagging cache catches
-up) prices them instead: C seconds per context token, the call's time beyond D over its context tokens, a running
-mean. A context token costs far less than a decode row (a prefill is one efficient GEMM), so D1 would overprice it
-several times over. After a pause in drafting longer than the fit's memory (50 steps) the fit is reopened (it keeps
-its values, not its confidence) before the next draft call is fitted: what it remembers is old, and the calls after
-the pause decide within a few of them (a burst of other work before the pause must not price the draft for good;
-dsde-goodput's pool probe times it again where nothing else drafts).
+    verify = V(sum_i (n_i + k_i), c)                          one ragged target forward
+    draft  = sum_{l=1..max k} D(m_l) + C * (context tokens)   one batched draft forward per level
+with m_l the rows drafting at level l, c the longest row's context, and
+    V(n, c) = V(n) exp(gamma c)    seconds of a target forward over n query tokens
+    D(m) = D0 + D1 m               seconds of a draft forward over m rows
+    C                              seconds per context token the draft takes in (a first draft step's prefill)
+
+V(n) is a table, not a line: a CPU GEMM is flat in the rows up to a block (16 in oneDNN) and then jumps; a GPU forward
+is flat up to its compute knee. The target is timed on its own every step with its exact n, so each entry is the
+median of the last `memory` times at that n (a shared machine's bursts would pull a running mean up for as long as
+it remembers them), and the medians are made non-decreasing by a weighted isotonic fit (pool adjacent violators, each n
+weighted by its times: one slow forward at an n seen once is averaged with the well-known n above it instead of
+raising every n above it, as a running maximum would). An n not seen is priced linearly between the n seen around it
+(optimistic just past a jump, so that n gets tried once and learnt), and past them by the prior scaled to the nearest.
+
+gamma: attention runs over caches padded to the longest row, so a forward costs more the longer its context. The
+table is kept at c = 0 (each time divided by exp(gamma c) before the medians are taken) and scaled to a batch's c;
+gamma is the slope of log seconds on c among forwards over the same n (ContextSlope; 0 until contexts vary). A table
+by n alone would mix contexts: target-only steps come with the long prompt that turned drafting off, drafting steps
+at short contexts, and drafting would look cheaper than it is. The draft's calls are scaled by the same factor.
+
+D and C: the draft is timed per call (several levels), so (D0, D1) is fitted by recursive least squares (_RLS) to
+(forwards, rows summed over them) -> seconds on the calls that only drafted. A call that also took in context tokens
+(a first draft step prefills the draft with the whole context; a lagging cache catches up) prices C instead, a
+running mean of its time beyond D over its context tokens: a prefill is one efficient GEMM, so a context token costs
+far less than the decode row D1 would charge for it. After a pause in drafting longer than the fit's memory the fit
+is reopened (its values kept, not its confidence): what it remembers is old, and a burst of other work before the
+pause must not price the draft for good.
 """
 
 from __future__ import annotations
@@ -130,7 +128,8 @@ class StepCosts:
 
 @dataclass(frozen=True)
 class CostPrior:
-    """The model before any measurement, in seconds (shaped like this CPU pair: a draft forward ~1/4 of a target's)."""
+    """The model before any measurement, in seconds (shaped like the default pair on a CPU: a draft forward ~1/4
+    of a target's)."""
 
     verify_base_s: float = 0.080
     verify_per_token_s: float = 0.002

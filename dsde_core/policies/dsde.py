@@ -1,57 +1,42 @@
 """DSDE: per-sequence speculation length from the stability of the target/draft KLD (arXiv 2509.01083).
 
-Per request, in two phases.
+Per request, in two phases (KLD: KL(target || draft) at each proposed position, signals.py; N = `window`).
 
-Warm-up (until the request has N = `window` KLD values): k starts at init_sl (5) and doubles, up to max_sl
-(20), after every step in which every proposed token was accepted; otherwise it stays. Recorded on the way:
-maxAcc (most tokens accepted in one warm-up step) and every warm-up KLD.
-
-Calibration, once, at the end of the step that brings the count to >= N:
+Warm-up, until the request has N KLD values: k starts at init_sl and doubles, up to max_sl, after every step in which
+every proposed token was accepted; otherwise it stays. maxAcc (the most tokens accepted in one warm-up step) and every
+warm-up KLD (KLD_warm) are recorded. At the end of the step that brings the count to >= N, once:
     SL_max = clamp(round(maxAcc * (1 + c * mean(KLD_warm) / max(KLD_warm))), [min_sl, max_sl])
     SL_min = clamp(ceil(SL_max / 10), [min_spec, SL_max])     rule "code"
-    SL_min = min(paper_sl_min, SL_max)                         rule "paper" (paper_sl_min = 2)
+    SL_min = min(paper_sl_min, SL_max)                         rule "paper"
 (round is half-up; max(KLD_warm) = 0 makes the ratio term 0, as in the authors' code.)
 
-Every later step that proposed something (and the calibration step itself):
-    WVIR = signals.wvir(last N KLDs, delta)
-    SF   = signals.scale_factor(mean KLD over this step's proposed positions, T, divide_by_temperature)
-    SL_hat = SL_min                                                  if WVIR * SF > 1
+Every later step that proposed something (and the calibrating step itself):
+    WVIR   = signals.wvir(last N KLDs, delta)
+    SF     = signals.scale_factor(mean KLD over this step's proposed positions, T, divide_sf_by_temperature)
+    SL_hat = SL_min                                                     if WVIR * SF > 1
            = max(SL_min, ceil((SL_max - SL_min) * (1 - WVIR * SF) + SL_min))   otherwise
-and the next plan is k = min(SL_hat, max_k). Post-warm-up requests are "cappable" (see cap.py).
+and the next plan is k = min(SL_hat, max_k). Post-warm-up requests are "cappable" (cap.py).
 
-Variants (`variant` sets the defaults below; every field is individually overridable):
-    field                     "code" (authors' vLLM fork)   "paper"
-    window N                  30                            30 (long window)
-    delta                     0.9                           0.85
-    c                         0.5                           1.0
-    sl_min_rule               "code": ceil(SL_max/10),      "paper": fixed paper_sl_min = 2
-                              floored at min_spec
-    divide_sf_by_temperature  True                          False
-The paper's short window (10) is WVIR's newest max(1, n // 3) values: after warm-up the history always
-holds exactly N = 30 values, so n // 3 = 10 in both variants; no separate parameter is needed (a window
-other than 30 scales the short window as N // 3).
+Variants (`variant` sets these defaults; each field can be set on its own):
+    field                     "code" (authors' vLLM fork)             "paper"
+    window N, delta, c        30, 0.9, 0.5                            30, 0.85, 1.0
+    sl_min_rule               ceil(SL_max / 10), floored at min_spec  paper_sl_min (2)
+    divide_sf_by_temperature  True                                    False
+The paper's short window (10) is WVIR's newest max(1, n // 3) values: N // 3 once warm-up has filled the history.
+The default is "code", the more specific text (temperature, clamping, the SL_min rule); "dsde-paper" is the other.
 
-Project defaults, and why:
-- variant "code": the authors' published code is the runnable and more specific text (temperature
-  handling, clamping, the SL_min rule); the paper's values stay one switch away ("dsde-paper").
-- min_spec = 2, not the authors' 6: min_spec = 6 suits a 70B target with a 1B draft on GPUs, where a
-  draft token costs a few percent of a target step. Our CPU pair (0.5B draft / 1.5B target) pays ~40% of
-  a target step per draft token; at per-token acceptance 0.8 (verification counted as one target step)
-  the tokens-per-cost optimum is k = 2-3 and k = 6 is ~15% worse, so a floor of 6 would force losing
-  steps exactly when the signal says "unstable". 2 is the paper's SL_min and keeps speculation on (DSDE
-  never switches it off). Pass min_spec=6 to reproduce the authors' code.
-- min_sl (the floor of SL_max) defaults to min_spec (code rule) or paper_sl_min (paper rule): in the
-  authors' code one k_min bounds both, which also guarantees SL_min <= SL_max.
-- init_sl 5, max_sl 20: the notes' (and the code's) defaults.
+min_spec defaults to 2, the paper's SL_min. The authors' 6 (AUTHORS_MIN_SPEC) suits a 70B target with a 1B draft on
+GPUs, where a draft token costs a few percent of a target step. Where it costs 40% (the default pair on a CPU is near
+that), at acceptance 0.8 the tokens a step per unit cost, (1 - 0.8^(k+1)) / (0.2 (1 + 0.4 k)), peak at k = 2-3 and are
+15% lower at k = 6: a floor of 6 would force losing steps exactly when the signal says "unstable". min_sl (SL_max's
+floor) defaults to min_spec (code rule) or paper_sl_min (paper rule), one k_min bounding both as in the authors' code,
+so SL_min <= SL_max.
 
-Defined here where the notes are silent:
-- A step that proposed nothing (k = 0, e.g. the engine's max_k was 0) adds no KLD and changes nothing.
-- The draft proposing fewer tokens than planned (an early stop, or an engine limit): only what was
-  proposed counts. The step adds `proposed` KLDs, SF uses their mean, and the warm-up doubling asks whether
-  every *proposed* token was accepted (k doubles from its planned value, not from the shorter proposal).
-- KLD_warm holds every KLD observed during warm-up, including all of the calibrating step's (the count
-  may pass N); the WVIR history keeps only the newest N. KLDs are floored at 0 on entry (eps round-off).
-- The SL_hat ceil ignores float noise below 1e-9 (so 6.000000000001 stays 6).
+Where the sources are silent: a step that proposed nothing adds no KLD and changes nothing; a draft that proposed
+fewer tokens than planned counts only those (that many KLDs, SF over their mean, and warm-up doubles k from its planned
+value when every *proposed* token was accepted); KLD_warm holds every warm-up KLD, all of the calibrating step's
+included, while the WVIR history keeps the newest N; KLDs are floored at 0 (round-off); SL_hat's ceil ignores float
+noise below 1e-9 (6.000000000001 stays 6).
 """
 
 from __future__ import annotations
@@ -73,11 +58,11 @@ VARIANT_DEFAULTS: dict[str, dict[str, object]] = {
 }
 
 DEFAULT_MIN_SPEC = 2
-"""Project default for the code rule's SL_min floor (the authors' code: 6). See the module docstring."""
+"""The code rule's SL_min floor by default: the paper's SL_min (the module docstring says why not the authors' 6)."""
 
-AUTHORS_MIN_SPEC = 6
+AUTHORS_MIN_SPEC = 6  # the authors' code's floor, for reproducing it
 
-CEIL_TOLERANCE = 1e-9
+CEIL_TOLERANCE = 1e-9  # SL_hat's ceil ignores float noise below this
 
 
 @dataclass(frozen=True)

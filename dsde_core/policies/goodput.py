@@ -1,91 +1,34 @@
 """dsde-goodput: cost-aware DSDE. A sequence drafts while its next token is worth more than the time it takes,
-judged token by token from the draft's confidence, and speculation switches off where it does not pay.
+judged token by token from the draft's confidence; where no draft pays, speculation switches off.
 
-Four estimates, all learnt online:
-1. Acceptance. Per drafted token (stopping.py), with c its confidence and x_i = log(1 + WVIR_i * SF_i) DSDE's
-   instability signal of the sequence (WVIR over its last N KLDs, SF of its last step's mean KLD; 0 until N/3 KLDs
-   are known and for a flat history):
-       p = sigmoid(w0 + w1 * logit(c) + w2 * x_i)
-   w is fitted to every judged token of every sequence (accepted: 1; the first rejected: 0; later ones are not
-   judged) by online Bayesian logistic regression (a Newton step per token, forgetting f per token):
-       P <- P / f;  P <- P - (P z)(P z)^T v / (1 + v z^T P z);  w <- w + P z (y - p),   v = p (1 - p)
-   one model for greedy and one for sampled requests. A sampled request's confidence is clipped below at
-   sampled_floor (0.1): at T > 0 a drafted token x is accepted with probability min(1, p(x) / q(x)), which a small
-   q(x) does not make smaller (on chat at T = 1 acceptance is ~0.5 for every q below 0.2), while logit(c) runs on to
-   -9 there: without the floor the model put such tokens at 0.06-0.3 (they were accepted at 0.43-0.86), and one
-   unlikely draw ended the draft.
-2. Per sequence: p_first_i, the running acceptance of the first drafted token of a step, and pbar_i, the running
-   mean p of its drafted tokens (a token not drafted yet), by token: the ratio of running means of the sum of p
-   over a step's drafted tokens and of their number. (A mean of each step's mean reads low: the stop rule ends a step
-   after a doubtful token, so short steps hold the doubtful ones. On chat at T = 1 it read 0.69 where the tokens'
-   mean p was 0.75 and their acceptance 0.76.) Running means: a plain mean over the sequence's first
-   steps (its start counts as start_weight of them: one rejected token, a likely draw at T=1, must not switch a
-   good draft off), then decay rho per step that drafted (a probe counts for half: after a time off it is the
-   freshest evidence there is). A sequence starts from the pooled means, which follow every sequence's
-   outcomes (first token accepted; mean p) the same way, with their priors counting as pool_weight steps: behind a
-   weak draft, new requests start off.
-3. Costs: the engine's step-cost tables V and D, and C per context token the draft takes in
-   (dsde_core.cost.StepCosts).
-4. Goodput: lambda_B = rho_B * B / V(B), with rho_B this policy's running speedup over target-only decoding at
-   batch B, each decode step priced by the tables it was planned with (no timing noise): a plain mean over its
-   first steps, where its start counts as one, then decay 1 - speedup_rate per step. rho starts at 2: a lambda
-   above the rate the batch reaches only makes the policy draft less (and the rate it then reaches pulls rho down
-   within a few steps), one below it drafts tokens that do not pay. A step is planned with the larger of lambda_B
-   and the best rate the model itself sees for the step (DraftStop.step_goodput: Dinkelbach).
+Terms, per sequence i of a batch of B (all learnt online):
+- p = sigmoid(w0 + w1 * logit(c) + w2 * x_i): the chance that a drafted token is accepted given all before it were,
+  from the draft's confidence c in it and DSDE's instability signal x_i = log(1 + WVIR_i * SF_i) (AcceptanceModel).
+  The confidence is known when the token is drafted, the KLD only after verification: c decides within a step.
+- p_first_i: the running acceptance of a step's first drafted token; pbar_i: the running mean p of a drafted token,
+  by token (a mean of step means would read low: the stop rule ends a step after a doubtful token).
+- e_i(h) = p_first_i * sum_{m<h} pbar_i^m: the drafted tokens accepted in a step where row i drafts h.
+- V(T), D(n), C: the step-cost tables (dsde_core.cost.StepCosts).
+- lambda_B = rho_B * B / V(B): the batch's goodput, rho_B this policy's running speedup over target-only decoding at
+  batch B (each step priced by the tables it was planned with: no timing noise). It starts at 2: too high a lambda
+  only makes the policy draft less until the rate reached pulls rho down; too low drafts tokens that do not pay. A
+  step is planned with the larger of lambda_B and the best rate the model sees for it (DraftStop.step_goodput).
 
-The plan, level 0 of the stop rule: with the first token's acceptance p_first_i and pbar_i for the tokens after it,
-the batch's DraftStop picks the sequences that draft a first token (and so the number that do: none, when no
-draft pays). While the pool holds fewer than explore_steps (16) drafting steps, every row drafts: on the priors alone
-a batch may never draft, and so never learn that it pays, and once the pool says off nothing corrects it for short
-requests (a cold row probes only with probe_max tokens left). Four steps were too few: at T=1 four first-token draws
-(standard error ~0.2) could leave the pooled p_first at 0.66 where the draft's was 0.78. One row was too few: the
-requests of a mixed workload differ more than its steps do, and sixteen steps of one request whose acceptance was
-0.65 left a batch of four, whose drafts the best static k accepted at 0.88, never drafting.
-A sequence whose draft cache is empty (lag_i context tokens: the engine defers a draft's prefill until
-the sequence drafts) also pays its prefill once it drafts. Whether it drafts at all is the whole request's question:
-the rule runs once on a decode step of this batch, each such row charged this step's share of its prefill,
-    fixed_i(h) = C * lag_i * (1 + e_i(h)) / remaining_i,     e_i(h) = p_first_i * sum_{m<h} pbar_i^m
-(the prefill spread over the steps its remaining tokens take while it drafts h tokens a step, e_i(h) accepted tokens
-a step), at the step's own goodput (Dinkelbach from target-only's B / V(B) up): so a row drafts where drafting from
-now on, prefill included, beats not drafting. Rows left out draft nothing this step; the rest are planned as warm
-rows, since the prefill is paid whether drafting starts now or a step later and so does not enter the choice of
-when. (Charged at its ceiling k_i instead of the h the rule weighs, the share came out twice as large as the SL it
-would draft: a batch of four new requests whose drafts paid stayed off. Charged against lambda_B below, the rate
-warm drafting reached, it weighed about (1 + e_i) times too much: on code at batch 4 a batch of new requests drafted
-from its third decode step, once rho_B had decayed, where static:8 drafted from the prompt step.)
-Tokens are worth the same in every row while the batch is open: requests wait for a slot (a freed slot is filled at
-once), or the last change to the batch was a request joining running ones (a client that keeps N requests in
-flight: the engine's queue is empty at every plan, yet the batch never shrinks). The batch is closed from a
-departure that nothing replaced, or a batch of new requests only (as at an idle engine), until a request joins
-running ones again.
-A closed batch only shrinks, and its time is set by the row that finishes last: then the stop rule weighs row i's
-gains by w_i = B * S_i / sum_j S_j, with S_i = remaining_i / (1 + e_i(h_i)) its expected remaining steps and h_i its
-mean drafted tokens per drafting step, so that the row on the critical path keeps drafting where a row that will
-finish early anyway stops (a closed batch's tail: without it, the rule could switch off the row that then finishes
-alone, at batch 1). A row with one token left ends with this step: S_i = 0, and the rows that outlast the step share
-the batch's worth B. (As a mean over all rows, a row with two tokens left beside one that was ending weighed 1.1, not
-2, and left its last draft token undrafted: the cell's last step, chat T = 0 batch 4, where one drafted token, at a
-third of a step's time, saves the whole step when accepted. With e_i at the row's ceiling k, 20, a row whose pbar
-was 0.85 counted 5 accepted tokens a step where it reached 1-2, was weighed at 0.67 against rows that drafted worse,
-and was left out; and with only the queue to tell an open batch, a closed-loop client's batch of four was weighed so
-at every step: chat, T = 1, 3 of 4 rows drafted in up to 39 of 92 plans.)
-The sequences picked get k = their engine ceiling, p_next = pbar_i and their acceptance model; the draft worker
-applies the same rule after every level with the confidences it sees (the SL and its cap are consequences of the
-costs). A sequence not picked drafts nothing (its draft cache still advances with the committed tokens: the
-engine's ride-along), except a probe (one speculative step) when it has been off for `probe_every` plans, the
-interval doubling up to `probe_max` while probes keep it off; probes fall on plan numbers divisible by the interval
-(one counter for the batch), so they share draft forwards. A sequence whose draft cache is empty (draft_lag > 0: it
-never drafted, or the draft restarted) waits `probe_max` plans, and probes only with probe_max tokens left: its
-first draft step also prefills the draft with its whole context, which fewer tokens will not recoup. One whose draft
-cache fills while it is off (a draft prefill fed in chunks finishes riding along) probes at `probe_every` again.
-A probe whose draft prefill the engine feeds in chunks (EngineConfig.prefill_chunk) proposes nothing in those steps:
-it goes on, one plan after another, until the sequence has drafted once (`_State.warming`), and its interval doubles
-only once.
-Where no row has drafted for `pool_probe_every` (256) plans, the row with the most tokens left drafts once all the
-same (the pool probe): with every row off and every request shorter than probe_max nothing
-else would time or judge the draft again, and a burst of other work on the machine that once made the draft look
-slow (a draft fit of 0.059 + 0.015 m s where it is 0.04 + 0.005 m) would keep speculation off for good. The
-cost model re-learns the draft quickly after such a pause (dsde_core.cost).
+The plan is level 0 of the stop rule (stopping.DraftStop): it picks the rows that draft a first token, each with
+k = its ceiling, p_next = pbar_i and its acceptance model; the draft worker applies the rule after every level.
+- Cold rows (an empty draft cache of lag_i tokens: the engine defers a draft's prefill until the row drafts) pay
+      fixed_i(h) = C * lag_i * (1 + e_i(h)) / remaining_i
+  this step, their prefill spread over the steps their remaining tokens take, and are judged at the step's own
+  goodput from B / V(B) up: a row drafts where drafting from now on, prefill included, beats not drafting.
+- Worth. In an open batch (requests wait, or the last change was a request joining running ones) every token is
+  worth 1. A closed batch only shrinks and lasts as long as its last row, so row i's gains weigh
+      w_i = B * S_i / sum_j S_j,    S_i = remaining_i / (1 + e_i(h_i))    (0 for a row with one token left)
+  with h_i its mean drafted tokens a step: the row on the critical path keeps drafting, one that ends early stops.
+- Until the pooled means have seen explore_steps drafting steps every row drafts: on its priors alone a batch
+  might never draft, and so never learn that drafting pays.
+- A row that is off probes (drafts one step) every probe_every plans, the interval doubling up to probe_max; a cold
+  row waits probe_max plans and needs probe_max tokens left. Where no row has drafted for pool_probe_every plans, the
+  row with the most tokens left drafts once, so a draft that once looked slow or weak is timed and judged again.
 """
 
 from __future__ import annotations
@@ -112,10 +55,11 @@ class GoodputConfig:
     forgetting: float = 0.995  # per judged token: the acceptance model's memory is ~200 tokens
     rho: float = 0.9  # per drafting step, of a sequence's p_first and pbar (memory ~10 steps)
     pool_rate: float = 0.01  # per drafting step of any sequence, of the pooled means new sequences start from (memory
-    # ~100 steps: at 0.05 the last five plans of a batch of four at T = 1 could leave p_first at 0.45 where it was 0.7)
+    # ~100 steps, several requests: a faster one lets one batch's last few plans set where every new request starts)
     pool_weight: float = 4.0  # the pooled means' priors count as this many drafting steps
-    sampled_floor: float = 0.1  # sampled requests: confidences below it count as it (see the module doc)
-    explore_steps: int = 16  # every row explores until the pool holds this many drafting steps (see the module doc)
+    sampled_floor: float = 0.1  # sampled requests: confidences below it count as it (see AcceptanceModel)
+    explore_steps: int = 16  # every row explores until the pool holds this many drafting steps (pooled over rows, as
+    # requests differ more than steps do; a few first-token draws, coin tosses at T = 1, are too noisy to stop on)
     start_weight: float = 4.0  # a sequence's pooled start counts as this many of its own drafting steps
     prior_first: float = 0.7  # pooled p_first and pbar before any step
     prior_pbar: float = 0.7
@@ -163,7 +107,14 @@ def running_rate(n: int, start: float, floor: float) -> float:
 
 
 class AcceptanceModel:
-    """Online Bayesian logistic regression of acceptance on z = (1, logit(max(confidence, floor)), instability)."""
+    """Online Bayesian logistic regression of acceptance on z = (1, logit(max(c, floor)), x): p = sigmoid(w . z).
+
+    Fitted to every judged token (y = 1: accepted; 0: the first rejected; the tokens after it are not judged) by one
+    Newton step per token, with covariance P, forgetting f per token and v = p (1 - p):
+        P <- P / f;  P <- P - (P z)(P z)^T v / (1 + v z^T P z);  w <- w + P z (y - p)
+    For sampled requests the floor is sampled_floor: at T > 0 a drafted token x is accepted with probability
+    min(1, p(x) / q(x)), which a small q(x) does not make smaller, while logit(c) keeps falling, so a confidence below
+    the floor says no more than the floor does (unfloored, one unlikely draw would end the draft)."""
 
     def __init__(self, prior: Sequence[float], variance: float, forgetting: float, floor: float = CONF_EPS) -> None:
         self.w = np.asarray(prior, dtype=np.float64)  # [3]
@@ -219,6 +170,12 @@ class SpeedupByBatch:
 
 @dataclass
 class _State:
+    """One sequence's estimates. p_first and pbar are running means: a plain mean over the sequence's first drafting
+    steps, its pooled start counting as start_weight of them (one rejected token, a likely draw at T = 1, must not
+    switch a good draft off), then decay rho per drafting step; a probe counts for half, as after a time off it is the
+    freshest evidence there is. The pooled means follow every sequence's outcomes the same way, their priors counting
+    as pool_weight steps: behind a weak draft, new requests start off."""
+
     greedy: bool
     temperature: float
     p_first: float  # running acceptance of the first drafted token of a step
