@@ -141,16 +141,15 @@ class EngineConfig:
     draft_catch_up: bool = False  # feed committed tokens to the draft every step, even for sequences with k = 0
     draft_max_lag: int = 32  # otherwise: a k = 0 sequence's draft cache catches up once it lags this many tokens
     # opt-in: a draft cache that starts empty (a prompt) takes in only the last draft_window tokens of the context, so
-    # a long prompt's draft prefill stays bounded; proposals are verified, so output stays lossless. 256 measured
-    # well on the CPU chat T=1 batch-4 cell (static:2 0.896x -> 1.007x of target-only; results/diagnostics/README.md).
-    # None (default): the draft takes in the whole context, the engine whose figures are published
+    # a long prompt's draft prefill stays bounded where a draft token is dear (a CPU: a few hundred tokens keep a
+    # draft's recent context); proposals are verified, so output stays lossless. None (default): the whole context
     draft_window: int | None = None
     draft_logit_noise: float = 0.0  # experiments only: Gaussian noise (std, in logits) makes a deliberately weak draft
     extra_eos_ids: tuple[int, ...] = field(default=())
     # chunked prefill: the most context tokens the target's prefills take in one step, in running order, and the same
     # for the draft's (a speculating request's prompt); a longer prefill is fed over several steps, and the running
-    # requests decode in each of them. None: no limit. 4096 is above every benchmark batch's prompts (the largest: 16
-    # prompts, 3,346 tokens)
+    # requests decode in each of them. None: no limit. 4096 lies above every benchmark batch's prompts, so the
+    # benchmarks run unchunked
     prefill_chunk: int | None = 4096
     worker_wait_s: float = 60.0  # how long requests wait for a failed target to come back before they end in an error
     worker_probe_s: float = 0.2  # how often a failed worker (target, draft, policy host) is asked whether it is back

@@ -2,7 +2,7 @@
 
 Pure functions, no state. The KLDs are torch (they are computed where the target's probabilities live,
 batched over positions); WVIR and the scale factor are scalar bookkeeping on a short per-request history
-and use numpy / math. Formulas: notes/dsde-algorithm.md (arXiv 2509.01083 and the authors' vLLM fork).
+and use numpy / math. Formulas: arXiv 2509.01083 and the authors' vLLM fork; each function states its own.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ WVIR_FLAT_VARIANCE = 1e-6
 WVIR_FLAT_VALUE = 20.0
 """WVIR reported for a flat history (the authors' constant)."""
 
-WVIR_SHORT_FRACTION = 3
+WVIR_SHORT_DIVISOR = 3
 """The short window is the newest max(1, n // 3) values: 10 of a full 30-value history."""
 
 SF_ALPHA = 2.0
@@ -115,7 +115,7 @@ def wvir(kld_history: Sequence[float], delta: float) -> float:
     if n < 2:
         return 0.0
     w = delta ** np.arange(n - 1, -1, -1, dtype=np.float64)
-    m = max(1, n // WVIR_SHORT_FRACTION)
+    m = max(1, n // WVIR_SHORT_DIVISOR)
     var_long = weighted_variance(x, w)
     if var_long < WVIR_FLAT_VARIANCE:
         return WVIR_FLAT_VALUE

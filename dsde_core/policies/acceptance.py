@@ -1,4 +1,4 @@
-"""Acceptance-rate threshold (the per-sequence DynamicProposer proposed to vLLM, PR #26495).
+"""Acceptance-rate threshold (the per-sequence DynamicProposer proposed to vLLM, pull request 26495).
 
 Per sequence, after every step that proposed something:
     a_bar = mean of the last `window` (10) step acceptance rates accepted/proposed (fewer while filling)
@@ -7,9 +7,9 @@ Per sequence, after every step that proposed something:
     k in [min_k, max_k] = [2, 10]
 
 Defaults: threshold 0.7 and initial k 5. The threshold sets where k settles (higher -> shorter drafts).
-For our CPU pair (a draft token costs ~0.4 of a target step) the tokens-per-cost optimum at per-token
-acceptance 0.8-0.9 is k = 2-4, where the step acceptance rate is ~0.7-0.8; 0.7 aims there. k starts at 5
-like DSDE's warm-up and the heuristic schedule.
+Where a draft token costs ~0.4 of a target step (the default pair on a CPU), the tokens-per-cost optimum at
+per-token acceptance 0.8-0.9 is k = 2-4, where the step acceptance rate is ~0.7-0.8; 0.7 aims there. k starts
+at 5 like DSDE's warm-up and the heuristic schedule.
 """
 
 from __future__ import annotations

@@ -8,10 +8,11 @@ Terms, per sequence i of a batch of B (all learnt online):
 - p_first_i: the running acceptance of a step's first drafted token; pbar_i: the running mean p of a drafted token,
   by token (a mean of step means would read low: the stop rule ends a step after a doubtful token).
 - e_i(h) = p_first_i * sum_{m<h} pbar_i^m: the drafted tokens accepted in a step where row i drafts h.
-- V(T), D(n), C: the step-cost tables (dsde_core.cost.StepCosts).
+- V(T), D(n), C: the seconds of a target forward over T tokens, of a draft forward over n rows, and of a context
+  token the draft takes in (the engine's step-cost model, dsde_core.cost.StepCosts).
 - lambda_B = rho_B * B / V(B): the batch's goodput, rho_B this policy's running speedup over target-only decoding at
-  batch B (each step priced by the tables it was planned with: no timing noise). It starts at 2: too high a lambda
-  only makes the policy draft less until the rate reached pulls rho down; too low drafts tokens that do not pay. A
+  batch B (each step priced by the tables it was planned with: no timing noise). rho_B starts at 2: too high a lambda
+  only makes the policy draft less until the rate reached pulls rho_B down; too low drafts tokens that do not pay. A
   step is planned with the larger of lambda_B and the best rate the model sees for it (DraftStop.step_goodput).
 
 The plan is level 0 of the stop rule (stopping.DraftStop): it picks the rows that draft a first token, each with

@@ -3,8 +3,8 @@ would have earned at the batch's goodput. The draft worker applies this rule lev
 of every token it has just drafted; dsde-goodput (goodput.py) supplies its parameters.
 
 Acceptance model. The draft's confidence c in a token it proposes (its probability at the signal temperature: the
-argmax's at T = 0) predicts acceptance far better than anything seen after the fact (AUC ~0.9 on chat and 0.99 on
-code prompts here); per sequence i and drafted position j, with the row's model (a_i, s_i, f_i) from the policy:
+argmax's at T = 0) is known as the token is drafted, and predicts its acceptance well; per sequence i and drafted
+position j, with the row's model (a_i, s_i, f_i) from the policy:
     p_ij = sigmoid(a_i + s_i * logit(max(c_ij, f_i)))
 (f: a floor on the confidence, for sampled requests; goodput.py)
 and after j drafted tokens the chance that all of them are accepted is pi_ij = prod_{m<=j} p_im.
@@ -21,8 +21,8 @@ drafts one more level, with the top n* rows, iff
 (Dinkelbach: an action pays when it earns more than its time would earn at the rate the batch already reaches).
 At level 0 a row whose draft cache is empty also pays fixed_i(h) once it drafts at all: its prefill, amortised (the
 policy's share of it for this step, which depends on the levels h it drafts; goodput.py).
-Looking h levels ahead, not one, keeps the rule right where V jumps (a step crossing 16 verified tokens on a CPU)
-and where the next level's draft forward is dearer than the ones after it.
+Looking h levels ahead, not one, keeps the rule right where V jumps (on a CPU, a step crossing a GEMM block of
+verified tokens) and where the next level's draft forward is dearer than the ones after it.
 """
 
 from __future__ import annotations
