@@ -81,7 +81,7 @@ class ServiceConfig:
     target_num_cpus: float = 1.0
     target_num_gpus: float = 0.0
     controller_num_cpus: float = 0.0
-    # failure behaviour and load (README "Failure behaviour")
+    # failure behaviour and load (docs/failures.md)
     actor_max_restarts: int = 3  # Ray restarts a dead draft, target or controller actor this many times (-1: no limit)
     worker_wait_s: float = 60.0  # requests wait this long for a failed target to come back, then end with a 503
     max_queue: int = 64  # requests that may wait for a KV slot beyond the max_batch_size running ones; more get 429

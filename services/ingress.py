@@ -15,7 +15,7 @@ Errors: bad input is a 4xx with an OpenAI-style body {"error": {"message", "type
 500 or a traceback; an unknown model is a 404. A failure inside the engine ends the affected requests with a
 500 (or an error event in a stream); the engine keeps serving the others.
 
-Load and failures (README "Failure behaviour"): at most max_batch_size + max_queue requests are in the engine; more get
+Load and failures (docs/failures.md): at most max_batch_size + max_queue requests are in the engine; more get
 429 with Retry-After. A request unfinished after request_timeout_s ends with 504. A worker actor that dies is restarted
 by Ray, a draft or controller that raises is tried again, and a target that raises ends only a request it fails on
 alone; the engine recovers either way (dsde_core.recovery); a request that waited worker_wait_s for a target that did

@@ -101,7 +101,7 @@ SERVE_CONTROL_LOOP_S = "0.5"
 
 
 def quiet_serve_controller() -> None:
-    """Serve's controller reconciles every 0.1 s by default: ~3% of a core here, taken from the model actors (on
+    """Serve's controller reconciles every 0.1 s by default: a few percent of a core, taken from the model actors (on
     a 2-core machine every stolen millisecond stalls both of torch's threads). One app with fixed replicas needs no
     faster loop than 0.5 s. Read by the controller process when Ray starts it; an operator's own value wins."""
     os.environ.setdefault(SERVE_CONTROL_LOOP_ENV, SERVE_CONTROL_LOOP_S)

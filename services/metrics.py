@@ -4,7 +4,7 @@ to counters). Names follow vLLM's where one exists, so existing queries carry ov
 Recorded in the ingress, where the engine lives, from what the engine already produces: each request's outputs
 and final RequestStats (ServiceMetrics.on_output / on_finish), and each step's plans and feedback as they pass
 through the policy interface (ObservedPolicy wraps the policy the engine talks to). dsde_core records nothing.
-Every metric is tagged with the served model name. The README's metrics table lists them all.
+Every metric is tagged with the served model name. docs/operations.md's metrics table lists them all.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Engine-side stand-ins for the actors: DraftAPI, TargetAPI and the policy interface, by plain actor calls.
 
 Each method is `ray.get(actor.method.remote(...))` and nothing else: the engine loop is dsde_core's, the same one
-that runs in-process. A plain actor call costs ~1.3 ms here (a Serve handle call 4-5 ms), so the per-step calls
-between engine, draft, target and controller are plain calls. Calls from the engine thread reach each actor in
-the order they were made.
+that runs in-process. A plain actor call costs a fraction of a Serve handle call (which goes through Serve's
+router), so the per-step calls between engine, draft, target and controller are plain calls. Calls from the engine
+thread reach each actor in the order they were made.
 
 Transport failures become dsde_core's own error, and nothing more is decided here: a call to an actor that died,
 is restarting or was restarted raises `WorkerUnavailable` (Ray's RayActorError: ActorDiedError,

@@ -1,9 +1,9 @@
 """How a draft proposal crosses between processes: the same values, packed per proposal instead of per position.
 
 A Proposal holds one DraftDist per drafted position, each with three [K] tensors; pickled as they are, a batch of
-8 sequences drafting 10 tokens is 240 small tensors each way (~40 ms a step here). Packed, a proposal is three
-[k, K] tensors plus the entropies and confidences, and the receiving side gets DraftDists that are row views of
-them. Nothing is computed or rounded: the target verifies exactly the distributions the draft sampled from.
+8 sequences drafting 10 tokens is 240 small tensors each way, each paying its own serialization overhead. Packed, a
+proposal is three [k, K] tensors plus the entropies and confidences, and the receiving side gets DraftDists that are
+row views of them. Nothing is computed or rounded: the target verifies exactly the distributions the draft sampled from.
 
 `register()` installs the packing for Ray's serializer in the calling process; only processes that send
 proposals need it (the draft host, and the ingress, which forwards them to the target inside VerifyTasks). The
