@@ -64,8 +64,8 @@ class GoodputConfig:
     start_weight: float = 4.0  # a sequence's pooled start counts as this many of its own drafting steps
     prior_first: float = 0.7  # pooled p_first and pbar before any step
     prior_pbar: float = 0.7
-    probe_every: int = 8
-    probe_max: int = 64
+    probe_every: int = 8  # plans a row that went off waits before it probes; the interval doubles while it stays off
+    probe_max: int = 64  # the longest interval; a cold row waits this long, and probes only with this many tokens left
     pool_probe_every: int = 256  # plans without any drafting row before the longest row probes (see the module doc)
     window: int = 30  # DSDE's N: KLD history for WVIR
     delta: float = 0.9  # WVIR's decay
