@@ -148,11 +148,12 @@ class CostPrior:
 
 
 class _RLS:
-    """Recursive least squares y ~ x . theta with exponential forgetting.
+    """Recursive least squares y ~ x . theta with exponential forgetting f, covariance P:
+        g = P x / (f + x^T P x);   theta <- theta + g (y - x . theta);   P <- (P - g (P x)^T) / f
 
-    Forgetting divides the covariance by lambda every update; in a direction the features never vary in (a steady
-    batch size, k_i all equal) nothing shrinks it again, so it would grow as lambda^-n ("covariance windup") and
-    overflow after ~10^4 steps. Its eigenvalues are therefore capped at `windup` times the prior's largest variance
+    Forgetting divides the covariance by f every update; in a direction the features never vary in (a steady
+    batch size, k_i all equal) nothing shrinks it again, so it would grow as f^-n ("covariance windup") and
+    overflow after ~10^4 steps. Its eigenvalues are therefore capped at WINDUP times the prior's largest variance
     (which keeps it symmetric positive semi-definite and leaves the excited directions alone), and an update that
     is not finite is dropped."""
 
@@ -165,7 +166,7 @@ class _RLS:
         # the noise and the coefficient's size
         self.p = np.diag(1.0 / (weight * np.asarray(typical, dtype=np.float64) ** 2))
         self.max_var = self.WINDUP * float(np.max(np.diag(self.p)))  # windup cap
-        self.lam = forgetting
+        self.forgetting = forgetting
         self.p0 = self.p.copy()  # [2, 2] the prior's covariance
 
     def reopen(self) -> None:
@@ -176,9 +177,9 @@ class _RLS:
     def update(self, x: Sequence[float], y: float) -> None:
         x = np.asarray(x, dtype=np.float64)
         px = self.p @ x
-        gain = px / (self.lam + x @ px)
+        gain = px / (self.forgetting + x @ px)
         theta = self.theta + gain * (y - x @ self.theta)
-        p = (self.p - np.outer(gain, px)) / self.lam
+        p = (self.p - np.outer(gain, px)) / self.forgetting
         if not (np.all(np.isfinite(theta)) and np.all(np.isfinite(p))):
             return
         if np.max(np.diag(p)) > self.max_var:  # only then: an eigendecomposition per update is not needed

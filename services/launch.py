@@ -46,7 +46,7 @@ class LocalServe:
 
     def check(self) -> None:
         """Fail before Ray starts: bad args, a model source that is not there, ports already taken."""
-        cfg = ServiceConfig.from_args(_no_user(self.args))
+        cfg = ServiceConfig.from_args(_without_user_config(self.args))
         for role, source in (("--target", cfg.target), ("--draft", cfg.draft)):
             if source is not None and not model_source_exists(source):
                 raise ModelLoadError(f"{role} {source!r} is not an embedded model name ({', '.join(EMBEDDED)}), "
@@ -203,7 +203,7 @@ def _serve_until_stopped(opts: LocalServe, stop: threading.Event, ready: threadi
         except RuntimeError as e:
             raise ServiceStartError(f"the service failed to start: {_deploy_failure(serve) or e}") from None
         log(f"dsde serve: ready in {time.perf_counter() - t0:.0f}s at {opts.url}/v1 "
-            f"(OpenAI API; model {ServiceConfig.from_args(_no_user(opts.args)).served_name!r})")
+            f"(OpenAI API; model {ServiceConfig.from_args(_without_user_config(opts.args)).served_name!r})")
         if opts.metrics_port:
             log(f"dsde serve: Prometheus metrics at http://127.0.0.1:{opts.metrics_port}/metrics (ray_dsde_*)")
         log("dsde serve: Ctrl-C or SIGTERM stops it")
@@ -214,7 +214,7 @@ def _serve_until_stopped(opts: LocalServe, stop: threading.Event, ready: threadi
             log("dsde serve: stopping: the Ray cluster's own processes got the signal too and are gone, the "
                 "service with them; nothing to drain (send SIGINT or SIGTERM to this process alone to drain)")
             return 0
-        grace = ServiceConfig.from_args(_no_user(opts.args)).graceful_shutdown_timeout_s
+        grace = ServiceConfig.from_args(_without_user_config(opts.args)).graceful_shutdown_timeout_s
         log(f"dsde serve: stopping: new requests get 503; running ones get up to {grace:g}s to finish")
         left = drain(grace)
         log("dsde serve: drained" if left == 0 else f"dsde serve: {left} request(s) still running; stopping anyway")
@@ -338,5 +338,6 @@ def _deploy_failure(serve: Any) -> str:
     return strip_exception_type(text.splitlines()[-1]) if text else ""
 
 
-def _no_user(args: dict[str, Any]) -> dict[str, Any]:
+def _without_user_config(args: dict[str, Any]) -> dict[str, Any]:
+    """The app args less user_config: ServiceConfig's fields alone."""
     return {k: v for k, v in args.items() if k != "user_config"}
