@@ -1,5 +1,5 @@
 """The service's pieces without a Ray cluster: configs, the policy controller (in-process, under dsde_core's own
-engine), request validation, response shapes, and the README's metrics table."""
+engine), request validation, response shapes, and the metrics table of docs/operations.md."""
 
 from __future__ import annotations
 
@@ -651,9 +651,9 @@ def test_every_dsde_serve_flag_reaches_the_service_or_its_cluster() -> None:
 
 
 # ---- documentation ----------------------------------------------------------------------------------
-def test_readme_documents_every_metric() -> None:
-    readme = (ROOT / "README.md").read_text()
-    table = {m.group(1) for m in re.finditer(r"^\| `(ray_dsde_[a-z0-9_]+)`", readme, re.M)}
+def test_docs_document_every_metric() -> None:
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    table = {m.group(1) for m in re.finditer(r"^\| `(ray_dsde_[a-z0-9_]+)`", operations, re.M)}
     exported = {exported_name(name, kind) for name, kind, *_ in METRICS}
     assert exported == table, (exported - table, table - exported)
 
