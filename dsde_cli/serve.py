@@ -35,10 +35,10 @@ def _add_serve(sub: Any) -> None:
     s.add_argument("--max-batch-size", type=int, default=8, help="KV slots: sequences decoded together")
     s.add_argument("--max-seq-len", type=int, default=2048, help="context window per sequence")
     s.add_argument("--draft-window", type=int, default=None, metavar="N",
-                   help="the draft takes in only the last N tokens of a prompt (README, Draft window; default: off)")
+                   help="the draft takes in only the last N tokens of a prompt (docs/policies.md, Draft window; default: off)")
     s.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="chunked prefill: the most prompt tokens each model takes in a step, while the running "
-                        "requests decode (README, Chunked prefill; default 4096; 0: no limit)")
+                        "requests decode (docs/policies.md, Chunked prefill; default 4096; 0: no limit)")
     s.add_argument("--threads", type=int, default=None, help="torch threads per model actor (default: all cores)")
     s.add_argument("--num-gpus", type=float, default=0.0, help="GPUs for each model actor (default 0)")
     s.add_argument("--host", default="127.0.0.1")
