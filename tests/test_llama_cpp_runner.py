@@ -1,0 +1,303 @@
+"""LlamaCppRunner against the torch ModelRunner on the same weights: a tiny random Qwen2 written as an F32 GGUF file
+(llama.cpp's qwen2 names, no Q/K permutation: qwen2 uses NeoX RoPE, as transformers does) and loaded both ways;
+then the runner's input errors, and a short check on the real embedded Q4_K_M draft."""
+
+from __future__ import annotations
+
+import importlib.util
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dsde_core.errors import ConfigError, ModelLoadError
+from dsde_core.models.llama import LlamaModel
+from dsde_core.models.runner import ModelRunner
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                                reason="llama-cpp-python is not installed (pip install llama-cpp-python==0.3.36)")
+
+from dsde_core.models.llama_cpp import LlamaCppError, LlamaCppRunner, embedded_gguf, gguf_info  # noqa: E402
+
+SLOTS, MAX_LEN = 4, 64
+
+
+def _byte_alphabet() -> list[str]:
+    """GPT-2's byte-level alphabet: byte b -> one printable character (what byte-level BPE vocabularies list)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a"]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOKENS = _byte_alphabet() + [m.replace(" ", "") for m in MERGES] + SPECIALS
+VOCAB = len(TOKENS)  # 264
+
+
+@lru_cache(maxsize=1)
+def tiny_qwen2():
+    """A transformers Qwen2 of random fp32 weights over the byte-level vocabulary above (no sliding window)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rms_norm_eps=1e-6, initializer_range=0.1, tie_word_embeddings=False,
+                         eos_token_id=VOCAB - 3, bos_token_id=VOCAB - 3)
+    model = Qwen2ForCausalLM(config).float().eval()
+    return config, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def write_gguf(path: Path) -> Path:
+    """The tiny Qwen2 as llama.cpp's qwen2 architecture reads it: F32 tensors, [out, in] rows as in torch."""
+    import gguf
+
+    config, state = tiny_qwen2()
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(TOKENS)
+    w.add_token_types([gguf.TokenType.NORMAL] * (VOCAB - len(SPECIALS)) + [gguf.TokenType.CONTROL] * len(SPECIALS))
+    w.add_token_merges(MERGES)
+    w.add_eos_token_id(config.eos_token_id)
+    w.add_bos_token_id(config.bos_token_id)
+    w.add_add_bos_token(False)
+    names = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+             "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+             "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+    for p in "qkv":
+        names[f"self_attn.{p}_proj.weight"] = f"attn_{p}.weight"
+        names[f"self_attn.{p}_proj.bias"] = f"attn_{p}.bias"
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    for k, v in state.items():
+        if k in top:
+            name = top[k]
+        else:
+            _, _, layer, rest = k.split(".", 3)  # model.layers.N.<rest>
+            name = f"blk.{layer}.{names[rest]}"
+        w.add_tensor(name, v.numpy().astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_gguf(tmp_path_factory.mktemp("lcpp") / "tiny-qwen2-f32.gguf")
+
+
+def torch_runner(num_slots: int = SLOTS, max_seq_len: int = MAX_LEN) -> ModelRunner:
+    config, state = tiny_qwen2()
+    return ModelRunner(LlamaModel.from_hf(config, dict(state), dtype=torch.float32), num_slots, max_seq_len)
+
+
+def lcpp_runner(path: Path, num_slots: int = SLOTS, max_seq_len: int = MAX_LEN, **kw) -> LlamaCppRunner:
+    return LlamaCppRunner(path, num_slots, max_seq_len, threads=2, **{**SETTINGS["fp32"][0], **kw})
+
+
+def toks(n: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def same(ref: ModelRunner, run: LlamaCppRunner, slots: list[int], tokens: list[list[int]],
+         num_logits: list[int], hidden: bool = False, tol: float = 1e-4) -> None:
+    """Both runners take the same forward: logits within tol of the logits' scale, the same argmax wherever the
+    reference's top two are further apart than 4 tol (all of them at fp32 precision)."""
+    want = ref.forward(slots, tokens, num_logits)  # [N, V]
+    got = run.head(run.forward(slots, tokens, num_logits, hidden=hidden))  # [N, V]
+    assert got.dtype == torch.float32 and got.shape == want.shape == (sum(num_logits), VOCAB)
+    scale = float(want.abs().max())
+    torch.testing.assert_close(got, want, rtol=0, atol=tol * scale)
+    top2 = want.topk(2, dim=-1).values  # [N, 2]
+    clear = top2[:, 0] - top2[:, 1] > 4 * tol * scale  # [N]
+    assert clear.float().mean() > 0.5 and torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+    assert [run.length(s) for s in range(SLOTS)] == [ref.length(s) for s in range(SLOTS)]
+
+
+# fp32 attention over an fp32 cache (no flash attention: llama.cpp casts K and V to f16 for it), and the runner's
+# defaults (flash attention where llama.cpp picks it, an f16 cache: errors ~1e-3 of the logits' scale)
+SETTINGS = {"fp32": (dict(kv_type="f32", flash_attn=False), 1e-4),
+            "default": (dict(kv_type="f16", flash_attn=None), 5e-3)}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_matches_torch_runner(tiny_gguf: Path, setting: str) -> None:
+    """Prefill, ragged prefills, decode, mixed verify, rollback and re-feed, reset, slots out of order."""
+    kw, tol = SETTINGS[setting]
+    ref, run = torch_runner(), lcpp_runner(tiny_gguf, **kw)
+    assert run.vocab_size == VOCAB and run.cache.max_seq_len == MAX_LEN and run.n_ctx >= SLOTS * MAX_LEN
+    same(ref, run, [0], [toks(7, 1)], [7], tol=tol)  # a prompt, every position's logits
+    same(ref, run, [1, 2], [toks(12, 2), toks(3, 3)], [1, 2], tol=tol)  # ragged prefills
+    same(ref, run, [0, 1, 2], [toks(1, 4), toks(1, 5), toks(1, 6)], [1, 1, 1], tol=tol)  # decode
+    same(ref, run, [0, 1, 2], [toks(5, 7), toks(1, 8), toks(3, 9)], [5, 1, 3], hidden=True, tol=tol)  # verify, decode
+    for r in (ref, run):  # rejections: keep a prefix, feed other tokens after it
+        r.set_length(0, r.length(0) - 3)
+        r.set_length(2, 4)
+    same(ref, run, [2, 0], [toks(4, 10), toks(2, 11)], [4, 2], tol=tol)
+    for r in (ref, run):
+        r.reset(1)
+    assert run.length(1) == 0
+    same(ref, run, [1, 3], [toks(5, 12), toks(9, 13)], [5, 1], tol=tol)  # a fresh prompt in a reset slot, a new slot
+    same(ref, run, [3, 1, 0, 2], [toks(1, 14), toks(2, 15), toks(1, 16), toks(6, 17)], [1, 2, 1, 3], tol=tol)
+    run.close()
+
+
+def test_forward_longer_than_n_batch(tiny_gguf: Path) -> None:
+    """A forward of more tokens than one decode takes (n_batch 8): several decodes, one result."""
+    ref, run = torch_runner(), lcpp_runner(tiny_gguf, n_batch=8, n_ubatch=4)
+    assert run.n_batch == 8
+    same(ref, run, [0, 1], [toks(13, 20), toks(6, 21)], [13, 2])
+    same(ref, run, [1, 0, 2], [toks(3, 22), toks(1, 23), toks(17, 24)], [3, 1, 1])
+
+
+def test_failed_decode_keeps_lengths(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode failing after an earlier decode of the same forward succeeded: LlamaCppError, and the positions the
+    forward added are gone (the next forward agrees with a runner that never saw it)."""
+    ref, run = torch_runner(), lcpp_runner(tiny_gguf, n_batch=8)
+    same(ref, run, [0], [toks(5, 30)], [1])
+
+    class SecondDecodeFails:
+        def __init__(self, lib) -> None:
+            self.lib, self.calls = lib, 0
+
+        def __getattr__(self, name: str):
+            return getattr(self.lib, name)
+
+        def llama_decode(self, ctx, batch) -> int:
+            self.calls += 1
+            return -3 if self.calls == 2 else self.lib.llama_decode(ctx, batch)
+
+    monkeypatch.setattr(run, "_lib", SecondDecodeFails(run._lib))
+    with pytest.raises(LlamaCppError, match=r"llama_decode returned -3 \(fatal error\) on 12 tokens of slots \[0, 1\]"):
+        run.forward([0, 1], [toks(4, 31), toks(8, 32)], [1, 1])
+    assert run._lib.calls == 2 and run.length(0) == 5 and run.length(1) == 0
+    same(ref, run, [0, 1], [toks(3, 33), toks(2, 34)], [3, 2])
+    monkeypatch.undo()
+    run._remove(0, 6)  # llama.cpp's cache now ends before the runner's length: llama.cpp refuses the next batch
+    with pytest.raises(LlamaCppError, match=r"returned -1 \(invalid input batch\).*inconsistent sequence positions"):
+        run.forward([0], [toks(1, 35)], [1])
+    assert run.length(0) == 8
+
+
+def test_quiet_by_default(tiny_gguf: Path, capfd: pytest.CaptureFixture) -> None:
+    """llama.cpp writes nothing to stderr unless asked (quiet=False: its loader's lines)."""
+    lcpp_runner(tiny_gguf).forward([0], [[1, 2]], [1])
+    assert capfd.readouterr().err == ""
+    LlamaCppRunner(tiny_gguf, 1, 16, quiet=False).close()
+    assert "llama_model_loader" in capfd.readouterr().err
+    lcpp_runner(tiny_gguf).close()  # quiet again (the log callback is the process's)
+    assert capfd.readouterr().err == ""
+
+
+def test_input_errors(tiny_gguf: Path) -> None:
+    run = lcpp_runner(tiny_gguf, max_seq_len=16)
+    run.forward([0], [toks(10, 40)], [1])
+    bad = [
+        (([], [], []), "at least one slot"),
+        (([0], [[1], [2]], [1]), "one token list and one num_logits per slot"),
+        (([1], [[]], [1]), "slot 1: empty token list"),
+        (([1], [[1, 2]], [0]), r"slot 1: num_logits 0 must be in \[1, 2\]"),
+        (([1], [[1, 2]], [3]), r"slot 1: num_logits 3 must be in \[1, 2\]"),
+        (([1, 1], [[1], [2]], [1, 1]), r"forward got a slot twice: \[1, 1\]"),
+        (([1], [[1, VOCAB]], [1]), rf"token ids must be in \[0, {VOCAB}\), got min 1 max {VOCAB}"),
+        (([1], [[-1, 3]], [1]), rf"token ids must be in \[0, {VOCAB}\), got min -1 max 3"),
+        (([0], [toks(7, 41)], [1]), "slot 0: 10 cached \\+ 7 new tokens = 17 exceeds max_seq_len 16"),
+        (([SLOTS], [[1]], [1]), rf"slot {SLOTS} out of range \[0, {SLOTS}\)"),
+    ]
+    for args, msg in bad:
+        with pytest.raises(ConfigError, match=msg):
+            run.forward(*args)
+    assert [run.length(s) for s in range(SLOTS)] == [10, 0, 0, 0]
+    with pytest.raises(ConfigError, match=r"set_length\(slot=0, n=11\): n must be in \[0, 10\]"):
+        run.set_length(0, 11)
+    with pytest.raises(ConfigError, match=r"slot -1 out of range"):
+        run.reset(-1)
+    run.forward([0], [toks(6, 42)], [1])  # the errors left the cache as it was: exactly 6 more fit
+    assert run.length(0) == 16
+    with pytest.raises(ConfigError, match=r"num_slots must be in \[1, 256\]"):
+        LlamaCppRunner(tiny_gguf, 257, 16)
+    with pytest.raises(ConfigError, match="kv_type must be one of f32, f16, bf16"):
+        LlamaCppRunner(tiny_gguf, 1, 16, kv_type="q4")
+    with pytest.raises(ModelLoadError, match="no GGUF file at"):
+        LlamaCppRunner(tiny_gguf.with_name("missing.gguf"), 1, 16)
+
+
+def test_gguf_info(tiny_gguf: Path) -> None:
+    """Tokenizer and config from the GGUF's metadata alone, as the converted cache would hold them."""
+    info = gguf_info(str(tiny_gguf))
+    config, _ = tiny_qwen2()
+    c = info.hf_config
+    assert c.model_type == "qwen2" and info.path == str(tiny_gguf)
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size) \
+        == (config.hidden_size, 2, 4, 2, config.intermediate_size)
+    assert info.tokenizer.get_vocab() == {t: i for i, t in enumerate(TOKENS)}
+    assert info.tokenizer.convert_ids_to_tokens(VOCAB - 3) == "<|endoftext|>"
+
+
+# ---- the real embedded draft (Q4_K_M) ----
+
+PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+
+
+@pytest.fixture(scope="module")
+def draft_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from dsde_core.models.loader import DEFAULT_DRAFT
+
+    return embedded_gguf(DEFAULT_DRAFT, root=tmp_path_factory.mktemp("joined"))
+
+
+@pytest.mark.real_models
+def test_real_draft_batching_and_rollback(draft_gguf: Path) -> None:
+    """Greedy 16 tokens by single-token forwards == the argmaxes of one prompt forward plus one 16-token verify
+    forward; then the same after a rollback, and beside another slot's prefill."""
+    from dsde_core.models.loader import DEFAULT_DRAFT
+
+    info = gguf_info(DEFAULT_DRAFT, root=draft_gguf.parent.parent)
+    prompt = info.tokenizer(PROMPT)["input_ids"]
+    run = LlamaCppRunner(draft_gguf, 2, 256, threads=2)
+    assert run.vocab_size == info.hf_config.vocab_size == 151936
+    out = [int(run.forward([0], [prompt], [1])[0].argmax())]
+    for _ in range(15):
+        out.append(int(run.forward([0], [[out[-1]]], [1])[0].argmax()))
+    run.set_length(0, len(prompt) - 1)  # rollback: re-feed the prompt's last token with the 16 drafts
+    verify = run.forward([0], [prompt[-1:] + out], [17]).argmax(-1).tolist()  # [17]
+    assert verify[:16] == out
+    run.reset(0)
+    first = run.forward([1, 0], [prompt[:5], prompt], [1, 1]).argmax(-1).tolist()  # ragged, slot 1 beside slot 0
+    assert first[1] == out[0]
+    run.close()
+
+
+@pytest.mark.real_models
+def test_real_draft_agrees_with_torch(draft_gguf: Path) -> None:
+    """The first greedy token of a simple prompt: llama.cpp on the Q4_K_M file == the torch bf16 runner on its
+    conversion."""
+    from dsde_core.models.loader import DEFAULT_DRAFT, load_model
+
+    loaded = load_model(DEFAULT_DRAFT)
+    prompt = loaded.tokenizer("The capital of France is")["input_ids"]
+    want = int(ModelRunner(loaded.model, 1, 64).forward([0], [prompt], [1])[0].argmax())
+    run = LlamaCppRunner(draft_gguf, 1, 64, threads=2)
+    assert int(run.forward([0], [prompt], [1])[0].argmax()) == want
+    run.close()
