@@ -4,7 +4,6 @@ then the runner's input errors, and a short check on the real embedded Q4_K_M dr
 
 from __future__ import annotations
 
-import importlib.util
 from functools import lru_cache
 from pathlib import Path
 
@@ -16,8 +15,7 @@ from dsde_core.errors import ConfigError, ModelLoadError
 from dsde_core.models.llama import LlamaModel
 from dsde_core.models.runner import ModelRunner
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
-                                reason="llama-cpp-python is not installed (pip install llama-cpp-python==0.3.36)")
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install llama-cpp-python==0.3.36)")
 
 from dsde_core.models.llama_cpp import LlamaCppError, LlamaCppRunner, embedded_gguf, gguf_info  # noqa: E402
 
@@ -163,12 +161,34 @@ def test_matches_torch_runner(tiny_gguf: Path, setting: str) -> None:
     run.close()
 
 
-def test_forward_longer_than_n_batch(tiny_gguf: Path) -> None:
-    """A forward of more tokens than one decode takes (n_batch 8): several decodes, one result."""
-    ref, run = torch_runner(), lcpp_runner(tiny_gguf, n_batch=8, n_ubatch=4)
-    assert run.n_batch == 8
-    same(ref, run, [0, 1], [toks(13, 20), toks(6, 21)], [13, 2])
-    same(ref, run, [1, 0, 2], [toks(3, 22), toks(1, 23), toks(17, 24)], [3, 1, 1])
+class CountingLib:
+    """llama-cpp-python's module with llama_decode counted; `fail_at`: that call returns -3 instead."""
+
+    def __init__(self, lib, fail_at: int | None = None) -> None:
+        self.lib, self.calls, self.fail_at = lib, 0, fail_at
+
+    def __getattr__(self, name: str):
+        return getattr(self.lib, name)
+
+    def llama_decode(self, ctx, batch) -> int:
+        self.calls += 1
+        return -3 if self.calls == self.fail_at else self.lib.llama_decode(ctx, batch)
+
+
+@pytest.mark.parametrize(("n_batch", "max_outputs", "decodes"), [(8, 512, [3, 3]), (64, 3, [5, 2]), (8, 3, [5, 4])])
+def test_forward_in_several_decodes(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch, n_batch: int,
+                                    max_outputs: int, decodes: list[int]) -> None:
+    """A forward of more tokens than one decode takes (n_batch) or more logits rows (max_outputs): several decodes
+    in order, one result."""
+    ref, run = torch_runner(), lcpp_runner(tiny_gguf, n_batch=n_batch, n_ubatch=4, max_outputs=max_outputs)
+    assert run.n_batch == n_batch
+    for (slots, tokens, num_logits), n in zip([([0, 1], [toks(13, 20), toks(6, 21)], [13, 2]),
+                                               ([1, 0, 2], [toks(3, 22), toks(1, 23), toks(17, 24)], [3, 1, 1])],
+                                              decodes, strict=True):
+        lib = CountingLib(run._lib)
+        monkeypatch.setattr(run, "_lib", lib)
+        same(ref, run, slots, tokens, num_logits)
+        assert lib.calls == n
 
 
 def test_failed_decode_keeps_lengths(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -177,18 +197,7 @@ def test_failed_decode_keeps_lengths(tiny_gguf: Path, monkeypatch: pytest.Monkey
     ref, run = torch_runner(), lcpp_runner(tiny_gguf, n_batch=8)
     same(ref, run, [0], [toks(5, 30)], [1])
 
-    class SecondDecodeFails:
-        def __init__(self, lib) -> None:
-            self.lib, self.calls = lib, 0
-
-        def __getattr__(self, name: str):
-            return getattr(self.lib, name)
-
-        def llama_decode(self, ctx, batch) -> int:
-            self.calls += 1
-            return -3 if self.calls == 2 else self.lib.llama_decode(ctx, batch)
-
-    monkeypatch.setattr(run, "_lib", SecondDecodeFails(run._lib))
+    monkeypatch.setattr(run, "_lib", CountingLib(run._lib, fail_at=2))
     with pytest.raises(LlamaCppError, match=r"llama_decode returned -3 \(fatal error\) on 12 tokens of slots \[0, 1\]"):
         run.forward([0, 1], [toks(4, 31), toks(8, 32)], [1, 1])
     assert run._lib.calls == 2 and run.length(0) == 5 and run.length(1) == 0

@@ -15,14 +15,15 @@ How the seam maps onto llama.cpp:
   run out. `swa_full` keeps a sliding-window model's keys past its window, which a rollback may need again.
 - forward: one `llama_decode` over the packed tokens, seq_id = slot, pos = length(slot) + j, an output only at each
   sequence's last num_logits positions (llama.cpp runs the head at those rows only, and itself splits the batch
-  into ubatches of n_ubatch tokens). Only a forward of more than n_batch tokens takes several decodes, in order.
-  The logits rows come back contiguous in batch order; each decode's are copied once into the float32 result.
+  into ubatches of n_ubatch tokens). A forward of more than n_batch tokens, or asking for more than max_outputs
+  rows, takes several decodes, in order. The logits rows come back contiguous in batch order; each decode's are
+  copied once into the float32 result.
 - rollback: `llama_memory_seq_rm(mem, slot, n, -1)` drops positions n..; reset drops the whole sequence.
 - hidden=True: llama.cpp hands out logits, not final hidden states (its embeddings mode outputs every position and
   pools), so forward(hidden=True) returns the same logits and `head` is the identity. The cost is in the prompt
-  log-probabilities, the one caller that asks for many rows: P positions hold P x V x 4 bytes (vocabulary 151,936:
-  0.6 MB a position, 2.5 GB for a 4,096-token chunk) in the returned tensor, and as much again in llama.cpp's output
-  buffer, which stays at its largest size for the context's life.
+  log-probabilities, the one caller that asks for many rows: P positions hold P x V x 4 bytes in the returned tensor
+  (vocabulary 151,936: 0.6 MB a position, 2.5 GB for a 4,096-token chunk). llama.cpp's own output buffer, which
+  stays at its largest size for the context's life, holds at most max_outputs rows (512: 311 MB).
 
 The batch's arrays are numpy buffers this object owns (a llama_batch struct pointing at them), filled by whole-array
 writes: llama_batch_init's per-token seq_id arrays would take a Python loop per token. llama.cpp's log goes nowhere
@@ -143,19 +144,21 @@ class LlamaCppRunner:
     `forward` call, as ModelRunner does them."""
 
     def __init__(self, path: str | Path, num_slots: int, max_seq_len: int, threads: int | None = None,
-                 n_batch: int = 4096, n_ubatch: int = 512, kv_type: str = "f16", flash_attn: bool | None = None,
-                 extra_buffers: bool | None = None, n_gpu_layers: int = 0, quiet: bool = True) -> None:
-        """path: a .gguf file. n_batch: the most tokens one llama_decode takes (a longer forward takes several);
-        n_ubatch: the most llama.cpp computes in one graph run (its compute buffers grow with it). threads: default
+                 n_batch: int = 4096, n_ubatch: int = 512, max_outputs: int = 512, kv_type: str = "f16",
+                 flash_attn: bool | None = None, extra_buffers: bool | None = None, n_gpu_layers: int = 0,
+                 quiet: bool = True) -> None:
+        """path: a .gguf file. n_batch: the most tokens one llama_decode takes; max_outputs: the most logits rows
+        (a forward past either takes several); n_ubatch: the most tokens llama.cpp computes in one graph run (its
+        compute buffers grow with it). threads: default
         every core this process may run on. kv_type: "f16" (llama.cpp's default), "bf16" or "f32". flash_attn: None
         lets llama.cpp choose (on the CPU: on; it computes attention with f16 keys and values). extra_buffers:
         llama.cpp's weight layouts for its special CPU kernels (AMX tiles, repacked blocks); None: on unless the CPU
         has AMX, whose matmul segfaults on the first decode of these Q4_K_M files (llama.cpp issue 20824)."""
         if not 1 <= num_slots <= MAX_SEQUENCES:
             raise ConfigError(f"num_slots must be in [1, {MAX_SEQUENCES}] (llama.cpp's sequences), got {num_slots}")
-        if max_seq_len < 1 or n_batch < 1 or n_ubatch < 1:
-            raise ConfigError(f"max_seq_len, n_batch and n_ubatch must be >= 1, got {max_seq_len}, {n_batch}, "
-                              f"{n_ubatch}")
+        if min(max_seq_len, n_batch, n_ubatch, max_outputs) < 1:
+            raise ConfigError(f"max_seq_len, n_batch, n_ubatch and max_outputs must be >= 1, got {max_seq_len}, "
+                              f"{n_batch}, {n_ubatch}, {max_outputs}")
         if kv_type not in KV_TYPES:
             raise ConfigError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
         path = Path(os.path.expanduser(str(path)))
@@ -201,6 +204,7 @@ class LlamaCppRunner:
         self._mem = lib.llama_get_memory(self._ctx)
         self.n_ctx: int = lib.llama_n_ctx(self._ctx)
         self.n_batch: int = lib.llama_n_batch(self._ctx)
+        self.max_outputs = max_outputs
 
         # the batch: llama_batch's arrays are these buffers, rewritten by every decode
         nb = self.n_batch
@@ -249,9 +253,10 @@ class LlamaCppRunner:
         flat, pos, ptr, out = self._pack(slots, tokens, num_logits)
         T, V = len(flat), self.vocab_size
         logits = torch.empty(int(out.sum()), V, dtype=torch.float32)  # [N, V]
-        row = 0
-        for c0 in range(0, T, self.n_batch):  # one decode unless the forward exceeds n_batch tokens
-            c1 = min(c0 + self.n_batch, T)
+        n_out = np.cumsum(out)  # [T] outputs up to and including each token
+        row = c0 = 0
+        while c0 < T:  # one decode unless the forward exceeds n_batch tokens or max_outputs rows
+            c1 = min(c0 + self.n_batch, T, int(np.searchsorted(n_out, row + self.max_outputs, side="right")))
             n = c1 - c0
             self._token[:n], self._pos[:n], self._seq_ptr[:n], self._output[:n] = (
                 flat[c0:c1], pos[c0:c1], ptr[c0:c1], out[c0:c1])
@@ -261,11 +266,12 @@ class LlamaCppRunner:
                 for s in slots:  # positions this forward added, in this decode or an earlier one
                     self._remove(s, self.cache.lengths[s])
                 raise LlamaCppError(self._decode_failure(rc, slots, tokens))
-            k = int(out[c0:c1].sum())
+            k = int(n_out[c1 - 1]) - row
             if k:
                 rows = np.ctypeslib.as_array(lib.llama_get_logits(self._ctx), shape=(k, V))  # [k, V] view of C memory
                 logits[row : row + k].copy_(torch.from_numpy(rows))
                 row += k
+            c0 = c1
         for s, t in zip(slots, tokens, strict=True):
             self.cache.lengths[s] += len(t)
         return logits
