@@ -1,55 +1,67 @@
-"""What the engine knows about the health of the parties it talks to: the target, the draft and the policy.
+"""Fault isolation and recovery for the parties the engine calls: the target, the draft and the policy.
 
-A call that raises WorkerUnavailable marks its party down (Engine._failed); the engine then goes on without it
-where it can and brings it back when it answers again (Engine._recover):
+RecoveryGuard makes every call to them, so that a party's failure costs this and no more:
 
-- draft down:  every running request continues target-only (max_k = 0); once the draft answers, each running
-               slot is opened on it again and its cache is rebuilt from the committed tokens (the prefix-match
-               sync feeds the whole sequence to an empty cache), and speculation resumes.
-- target down: no step runs; once the target answers, each running slot is opened again and re-prefilled from
-               prompt + committed tokens, and decoding continues where it stopped (nothing is repeated or
-               lost: the committed tokens are the engine's). One that raises while it is brought back stays
-               down and is tried again after a fault's wait (below). A request that waits longer than
-               EngineConfig.worker_wait_s for it ends with an error (RequestOutput.error_type "unavailable").
-- policy down: every sequence is planned k = 0 (decoding never stops); once it answers, its per-request state
-               is rebuilt lazily, as for a new request (a restarted DSDE policy warms up again).
+- A call that raises WorkerUnavailable marks its party down. A party that is down is probed every worker_probe_s; once
+  it answers, it gets its deferred releases, every running slot opened again and its cache resynced from the committed
+  tokens (they are the engine's: nothing is repeated or lost), and the recovery hooks run.
+  - draft down: every request decodes target-only (k = 0).
+  - policy down: every row is planned k = 0; a restarted policy rebuilds its per-request state as for new requests.
+  - target down: no step runs; a request that waits worker_wait_s for it ends with an error (RequestOutput.error_type
+    "unavailable"). A target that raises while it is brought back stays down for a fault's wait.
+- Any other error from the draft or the policy is a fault, handled alike: without them the engine decodes target-only,
+  losslessly, so no request fails for it. A faulty party sits out worker_probe_s * 2^faults (at most MAX_FAULT_WAIT_S;
+  a fault after MAX_FAULT_WAIT_S up starts the count anew), so one that faults on every call does not cost a resync of
+  every draft cache every step.
+- Faults are isolated to the requests that cause them, so a fault one request causes ends (or turns speculation off
+  for) that request only, and a passing one (an out-of-memory at the batch's size) none:
+  - draft: the requests of a call that raised become suspects; once the draft is back, each drafts alone (the others
+    plan k = 0) until it passes a call. A fault on a suspect alone is its own: the draft stays up, the suspect's slot is
+    opened afresh, and after DRAFT_TRIES of them it goes on target-only to its end.
+  - target (verifying a step or opening a slot): it stays up and nothing of the step was committed; the step's requests
+    become suspects, are re-prefilled from prompt + committed tokens and run alone until each passes a step. One the
+    target fails on alone TARGET_TRIES times in a row ends with the error; the others go on exactly.
+- A release that raises, or that cannot reach a party that is down, is deferred until the party answers again.
 
-A draft or policy that raises any other error (a bug, an out-of-memory, a bad state: it still answers, one call
-failed) is a fault, handled the same way: speculation is an optimisation, and without it the engine decodes
-target-only, losslessly, so no request fails for it. Where WorkerUnavailable is probed every worker_probe_s, a
-faulty party sits out worker_probe_s * 2^faults (at most MAX_FAULT_WAIT_S) before it is tried again: a fault that
-repeats on every call would otherwise cost a resync of every draft cache each time. A fault after the party had been
-up for MAX_FAULT_WAIT_S starts the count anew.
-
-The draft's faults are also isolated to the requests that cause them (Engine._draft_fault): the requests of a draft
-call that raised become suspects, and once the draft is back each drafts alone for a step (the batch's others plan
-k = 0 for it) until it passes a call. A fault on a suspect alone is that request's: the draft stays up and does not
-sit out; the suspect's draft slot is opened afresh, and one the draft raised on alone twice (Engine.DRAFT_TRIES) goes
-on target-only to its end, its output unchanged. So a fault one request causes turns speculation off for that request
-only, a passing one (an out-of-memory at the batch's size) for none, and a draft that faults on every call is tried in
-a batch less and less often and alone at most twice per request.
-
-A target that raises verifying a step or opening a slot (it alone produces the tokens: there is no going on without
-it) stays up; nothing of the step was committed, and the fault is isolated to the requests that cause it
-(Engine._target_fault): the step's requests become suspects, their target slots are opened afresh (re-prefilled from
-prompt + committed tokens), and each runs alone until it passes a step. A request the target fails on alone twice in
-a row (Engine.TARGET_TRIES) ends with the error; the others go on, exactly (the output at temperature 0 is still the
-target-only output). A fault that one request causes (a prompt that breaks a kernel) so ends only that request; a
-passing one (an out-of-memory at the batch's size), none. An error committing one request's tokens (a bug in its
-text or stop strings) ends that request only; any other error out of a step (an engine bug) ends the step's requests
-(AsyncEngine: Engine.fail_running; the waiting ones run next). A release that raises, from any party, is deferred as
-for a lost one.
-
-Releases that cannot reach a party that is down are deferred and sent when it is back.
+The engine's own errors are not the guard's: one committing a request's tokens ends that request only; any other error
+out of a step ends the step's requests (AsyncEngine calls Engine.fail_running; the waiting ones run next).
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from dsde_core.config import EngineConfig, SamplingParams
+from dsde_core.errors import WorkerUnavailable
+from dsde_core.policies import Plan, SpeculationPolicy, StepFeedback
+from dsde_core.request import Request, RequestOutput
+
+if TYPE_CHECKING:
+    from dsde_core.policies.stopping import DraftStop
+    from dsde_core.scheduler import Scheduler
+    from dsde_core.workers import DraftTask, Proposal, Verdict, VerifyTask
+
+log = logging.getLogger("dsde_core.engine")  # the engine's log, where operators look for a fault's traceback
 ROLES = ("target", "draft", "policy")
 MAX_FAULT_WAIT_S = 60.0  # the longest a faulty draft or policy sits out before it is tried again
+TARGET_TRIES = 2  # a request ends after the target raised on it alone this many times in a row (a passing fault: once)
+DRAFT_TRIES = 2  # a request goes on target-only after the draft raised on it alone this many times in a row
+
+
+class DraftAPI(Protocol):
+    def open(self, slot: int, params: SamplingParams, prompt_len: int = 0, emitted: int = 0) -> None: ...
+    def release(self, slot: int) -> None: ...
+    def propose(self, tasks: list[DraftTask]) -> list[Proposal]: ...
+
+
+class TargetAPI(Protocol):
+    def open(self, slot: int, params: SamplingParams, prompt_len: int = 0, emitted: int = 0) -> None: ...
+    def release(self, slot: int) -> None: ...
+    def verify(self, tasks: list[VerifyTask]) -> list[Verdict]: ...
 
 
 @dataclass
@@ -84,7 +96,7 @@ class WorkerHealth:
         self.next_probe = now + min(probe_s * 2 ** self.faults, MAX_FAULT_WAIT_S)
 
     def count_fault(self, error: BaseException) -> None:
-        """It raised `error` and stays up (the target, whose faults the engine isolates to requests): counted."""
+        """It raised `error` and stays up (the target, whose faults the guard isolates to requests): counted."""
         self.failures += 1
         self.last_error = describe(error)
 
@@ -110,3 +122,259 @@ def is_available(party: Any) -> bool:
     """Ask a worker or policy whether it answers; one without an `available` method is local and always does."""
     probe = getattr(party, "available", None)
     return True if probe is None else bool(probe())
+
+
+def _survivable(role: str) -> type[Exception]:
+    """What a call to `role` may raise without failing requests: the target's WorkerUnavailable (its other errors are
+    faults of the requests in the call); anything the draft or the policy raises (without them the engine decodes
+    target-only)."""
+    return WorkerUnavailable if role == "target" else Exception
+
+
+def _open_slot(worker: DraftAPI | TargetAPI, r: Request) -> None:
+    """Open r's slot on a model worker: its parameters, prompt length and output so far (a reopened slot's seeded
+    draws start a stream of their own)."""
+    worker.open(r.slot, r.params, len(r.prompt_ids), len(r.output_ids))
+
+
+class RecoveryGuard:
+    """The engine's calls to the target, the draft and the policy (the module doc says what a failure costs).
+
+    It reads the running and waiting requests from the scheduler, and ends a request through `fail` (the engine's:
+    it emits the error and frees the request's state)."""
+
+    def __init__(self, target: TargetAPI, draft: DraftAPI | None, policy: SpeculationPolicy, config: EngineConfig,
+                 scheduler: Scheduler, fail: Callable[[Request, str, str | None], RequestOutput]) -> None:
+        self.target, self.draft, self.policy = target, draft, policy
+        self.config = config
+        self.scheduler = scheduler
+        self.fail = fail
+        self.health = {role: WorkerHealth(role) for role in ROLES}
+        self.recovery_hooks: list[Callable[[str], None]] = []  # called with the role when a failed party is back
+        self.suspects: dict[str, int] = {}  # req_id -> target faults alone in a row; each runs alone
+        self.draft_suspects: dict[str, int] = {}  # req_id -> draft faults alone in a row; each drafts alone
+        self.alone: Request | None = None  # the draft suspect drafting alone this step (set by plan)
+
+    @property
+    def target_down(self) -> bool:
+        return self.health["target"].down
+
+    @property
+    def recovering(self) -> bool:
+        """A party is down: the engine's step probes it even with no request."""
+        return any(h.down for h in self.health.values())
+
+    @property
+    def drafting(self) -> bool:
+        """There is a draft and it is up."""
+        return self.draft is not None and not self.health["draft"].down
+
+    # ---- the step's calls ---------------------------------------------------------------------------------------
+    def rows(self) -> list[Request]:
+        """This step's requests: every running one; while a batch the target raised on has suspects, one of them
+        alone."""
+        running = self.scheduler.running
+        return next(([r] for r in running if r.req_id in self.suspects), list(running))
+
+    def may_draft(self, r: Request) -> bool:
+        """r may be planned k > 0: the draft is up, r is not on target-only, and no other suspect drafts alone."""
+        return self.drafting and not r.draft_off and (self.alone is None or self.alone is r)
+
+    def plan(self, rows: list[Request], planner: Callable[[list[Request]], dict[str, Plan]]) -> dict[str, Plan]:
+        """planner(rows)'s plans (it calls the policy), or k = 0 for every row (a target-only step) while the policy
+        is down or when it raises. First picks the draft suspect among the rows that drafts alone this step."""
+        self.alone = next((r for r in rows if r.req_id in self.draft_suspects), None)
+        if not rows:
+            return {}
+        if not self.health["policy"].down:
+            try:
+                return planner(rows)
+            except Exception as e:  # WorkerUnavailable, or a fault
+                self._failed("policy", e)
+        return {r.req_id: Plan(0) for r in rows}
+
+    def propose(self, tasks: list[DraftTask], reqs: list[Request], stop: DraftStop | None) -> list[Proposal] | None:
+        """The draft's proposals for tasks (one per request of reqs); None when it raised (the step goes on
+        target-only): a batch's fault makes each of reqs a suspect, a suspect's fault alone is its own."""
+        try:
+            proposals = self.draft.propose(tasks, stop) if stop is not None else self.draft.propose(tasks)
+        except WorkerUnavailable as e:  # this step and the next ones go on target-only until the draft is back
+            self._failed("draft", e)
+            return None
+        except Exception as e:
+            self._draft_fault(reqs, e)
+            return None
+        if self.alone is not None:  # it passed
+            self.draft_suspects.pop(self.alone.req_id, None)
+        return proposals
+
+    def verify(self, tasks: list[VerifyTask], fed: list[Request]) -> tuple[list[Verdict] | None, list[RequestOutput]]:
+        """(the target's verdicts for tasks, []) where it answered. Where it raised nothing was committed and the
+        step is lost: (None, the outputs of the requests of `fed` it ended). WorkerUnavailable: the requests wait for
+        the target; a fault: each of `fed` becomes a suspect, and one the target failed on alone too often ends."""
+        try:
+            verdicts = self.target.verify(tasks)
+        except WorkerUnavailable as e:
+            self._failed("target", e)
+            return None, []
+        except Exception as e:
+            return None, self._target_fault(fed, e)
+        for r in fed:
+            self.suspects.pop(r.req_id, None)
+        return verdicts, []
+
+    def observe(self, rows: list[Request], feedback: Callable[[], list[StepFeedback]]) -> None:
+        """Tell the policy what the step's rows got (feedback() builds it); it is planned target-only while it is down
+        or after it raised."""
+        if rows and not self.health["policy"].down:
+            try:
+                self.policy.observe(feedback())
+            except Exception as e:  # WorkerUnavailable, or a fault
+                self._failed("policy", e)
+
+    # ---- slots --------------------------------------------------------------------------------------------------
+    def open(self, r: Request) -> list[RequestOutput]:
+        """Open an admitted request's slots: the target's (a fault doing so is r's: the outputs of the request it
+        ended), then the draft's."""
+        failed = self._reopen_target(r)
+        if not failed and self.draft is not None:
+            self._open("draft", self.draft, r)
+        return failed
+
+    def release(self, req_id: str, slot: int | None) -> None:
+        """Release an ended request's state on every party: its slot on both workers (None: it had none) and the
+        policy's; each deferred while its party is down."""
+        self.suspects.pop(req_id, None)
+        self.draft_suspects.pop(req_id, None)
+        if slot is not None:
+            self._release("target", self.target, slot)
+            if self.draft is not None:
+                self._release("draft", self.draft, slot)
+        self._release("policy", self.policy, req_id)
+
+    # ---- recovery -----------------------------------------------------------------------------------------------
+    def recover(self) -> list[RequestOutput]:
+        """Probe each party that is down (every worker_probe_s); when one answers, send its deferred releases, open
+        every running slot on it again and resync it from the committed tokens. While the target is down, end the
+        requests that have waited worker_wait_s for it (their outputs)."""
+        now = time.perf_counter()
+        for role, h in self.health.items():
+            if not h.down or now < h.next_probe:
+                continue
+            h.next_probe = now + self.config.worker_probe_s
+            party = {"target": self.target, "draft": self.draft, "policy": self.policy}[role]
+            try:
+                if party is None or not is_available(party):
+                    continue
+                for key in sorted(h.pending, key=str):
+                    party.release(key)
+                if role != "policy":  # a restarted policy rebuilds per-request state on its next plan
+                    for r in self.scheduler.running:
+                        _open_slot(party, r)
+                        if role == "draft":
+                            r.synced_draft = 0
+                        else:
+                            r.synced_target = 0
+            except Exception as e:  # still down (a fault, even the target's: a longer wait)
+                self._failed(role, e)
+                continue
+            h.mark_up(now)
+            for hook in self.recovery_hooks:
+                hook(role)
+        target = self.health["target"]
+        if not target.down:
+            return []
+        outputs = []
+        for r in self.scheduler.queued() + list(self.scheduler.running):
+            if now - max(target.down_since, r.stats.arrival) >= self.config.worker_wait_s:
+                self.scheduler.dequeue(r)
+                outputs.append(self.fail(r, f"the target worker failed and did not come back within "
+                                            f"{self.config.worker_wait_s:g}s ({target.last_error})", "unavailable"))
+        if self.scheduler.has_unfinished():
+            time.sleep(min(0.05, self.config.worker_probe_s))  # nothing can run until the target is back
+        return outputs
+
+    def _failed(self, role: str, error: Exception) -> None:
+        """A call to `role` raised WorkerUnavailable, or a fault (any other error: from the draft or the policy, or
+        from a release): go on without it; its state is rebuilt when it is back (a faulty one is tried again after a
+        doubling wait)."""
+        h, now = self.health[role], time.perf_counter()
+        if isinstance(error, WorkerUnavailable):
+            h.mark_down(now, str(error))
+        else:
+            log.error("the %s raised an error; going on without it (target-only)", role, exc_info=error)
+            h.fault(now, error, self.config.worker_probe_s)
+        for r in self.scheduler.running:  # what it was told is lost: resync from scratch (prompt + committed tokens)
+            if role == "draft":
+                r.synced_draft = 0
+            elif role == "target":
+                r.synced_target = 0
+
+    def _target_fault(self, rows: list[Request], error: Exception) -> list[RequestOutput]:
+        """The target raised `error` on `rows` (a fault: it still answers; nothing was committed). Each becomes a
+        suspect that runs alone until it passes a step; one the target raised on alone TARGET_TRIES times in a row
+        ends with the error. What the call left of their target state is not known: each slot is opened afresh."""
+        self.health["target"].count_fault(error)
+        log.error("the target raised an error on %d request(s); each is tried alone, and one it fails on alone %d "
+                  "times ends with the error", len(rows), TARGET_TRIES, exc_info=error)
+        outputs: list[RequestOutput] = []
+        for r in rows:
+            tries = self.suspects.get(r.req_id, 0) + int(len(rows) == 1)  # faults alone, in a row
+            if tries >= TARGET_TRIES:
+                outputs.append(self.fail(r, f"the target failed on this request: {describe(error)}", None))
+            else:
+                self.suspects[r.req_id] = tries
+                outputs += self._reopen_target(r)
+        return outputs
+
+    def _draft_fault(self, reqs: list[Request], error: Exception) -> None:
+        """The draft raised `error` (a fault: it answers) on a call holding `reqs`. After a batch's call it sits out
+        its wait and each of the call's requests becomes a suspect. A fault on the suspect drafting alone is that
+        request's: the draft stays up, the suspect's slot is opened afresh, and one the draft raised on alone
+        DRAFT_TRIES times goes on target-only to its end."""
+        alone = self.alone
+        if alone is None:
+            self._failed("draft", error)
+            for r in reqs:
+                self.draft_suspects.setdefault(r.req_id, 0)
+            return
+        self.health["draft"].count_fault(error)
+        tries = self.draft_suspects.get(alone.req_id, 0) + 1  # faults alone, in a row
+        log.error("the draft raised an error on request %s alone (%d of %d)", alone.req_id, tries, DRAFT_TRIES,
+                  exc_info=error)
+        if tries < DRAFT_TRIES:
+            self.draft_suspects[alone.req_id] = tries
+            alone.synced_draft = 0  # what the call left of its draft cache is not known
+            self._open("draft", self.draft, alone)
+        else:
+            self.draft_suspects.pop(alone.req_id, None)
+            alone.draft_off = True
+
+    def _reopen_target(self, r: Request) -> list[RequestOutput]:
+        """Open r's target slot with an empty cache (its next step feeds prompt + committed tokens); a fault doing so
+        is r's (_target_fault)."""
+        r.synced_target = 0
+        try:
+            self._open("target", self.target, r)
+        except Exception as e:  # not WorkerUnavailable (_open marks the target down for that)
+            return self._target_fault([r], e)
+        return []
+
+    def _open(self, role: str, worker: DraftAPI | TargetAPI, r: Request) -> None:
+        if self.health[role].down:
+            return  # opened by recover() when the worker is back
+        try:
+            _open_slot(worker, r)
+        except _survivable(role) as e:
+            self._failed(role, e)
+
+    def _release(self, role: str, party: Any, key: int | str) -> None:
+        """Release a slot (a request id for the policy); deferred to recover() while the party is down."""
+        h = self.health[role]
+        if not h.down:
+            try:
+                party.release(key)
+                return
+            except Exception as e:  # a release never fails a request: deferred until the party answers again
+                self._failed(role, e)
+        h.pending.add(key)
