@@ -1,16 +1,15 @@
 """The engine: continuous batching over a speculative step.
 
-One step (Engine.step):
-- schedule: end the cancelled requests, bring back the parties that failed (recovery.RecoveryGuard), admit waiting
-  requests into free slots, and split the running ones on the step's prefill budget (scheduler.Scheduler): a prefill
-  over it is fed a chunk of its context, only cached, and sits out the rest of the step.
-- plan: the policy (with its cap) gives each row a speculation length k, bounded by the row's ceiling (_max_k).
+One step (Engine.step) is plan -> propose -> verify -> commit -> record:
+- plan: the cancelled requests end, failed parties that answer again get their state back (recovery.RecoveryGuard),
+  waiting requests are admitted into free slots, and the running ones are split on the step's prefill budget
+  (scheduler.Scheduler): a prefill over it is fed a chunk of its context, only cached, and sits out the rest of the
+  step. The policy (with its cap) then gives each row a speculation length k, bounded by the row's ceiling (_max_k).
 - propose: the draft takes in each row's committed tokens it lacks and proposes up to k tokens.
 - verify: the target scores every row's proposal in one batched forward and accepts a prefix of it, losslessly
-  (greedy: while it matches the target's argmax; sampled: rejection sampling), plus a token of its own; the policy is
-  told what was accepted.
-- commit: each row's tokens are checked against its stops and lengths and emitted; both caches learn them on their
-  next call.
+  (greedy: while it matches the target's argmax; sampled: rejection sampling), plus a token of its own.
+- commit: the policy observes the step; each row's tokens are checked against its stops and lengths and emitted; both
+  caches learn them on their next call.
 - record: the step's phase times feed the cost model and the step log (step_stats.StepStats); then each finished
   request frees its slot and its state on every party.
 
