@@ -1,7 +1,7 @@
-"""python -m dsde_bench [dsde bench flags] | python -m dsde_bench report"""
+"""python -m dsde_bench [dsde bench flags] | python -m dsde_bench report: `dsde bench` (dsde_cli.bench)."""
 
 import sys
 
-from dsde_bench.cli import main
+from dsde_cli.bench import main
 
 sys.exit(main())

@@ -1,4 +1,4 @@
-"""DSDE's bound on SL_max for this machine, picked on one seed's prompts (issue 4: report on another seed's).
+"""DSDE's bound on SL_max for this machine, picked on one seed's prompts (and judged on another seed's).
 
 DSDE's SL_max comes from the warm-up (the longest accepted run, scaled up by the KLD ratio), bounded by MAX
 (`dsde:MAX`, default 20). The default suits GPUs, where a draft token costs a few percent of a target step; on a

