@@ -199,6 +199,17 @@ def test_a_cells_table_gives_the_range_of_its_machine_probes_and_the_rounds() ->
     assert "| off | 3.10 2.90 | 0.00 0.00 |" in rounds and "static:2" not in rounds  # the cell's repeated rounds
 
 
+def test_a_runs_machine_line_names_its_cpu_date_and_commit() -> None:
+    """Figures of different machines are not comparable, and a figure describes the code it was measured with."""
+    doc = {"meta": {"machine": {"cpu": "AMD EPYC", "cpu_count": 2, "torch": "2.13"}, "created": "2026-11-25T00:18:08"},
+           "backend": {"dtype": "bfloat16"}}
+    assert headline.machine(doc) == "AMD EPYC, 2 cores, torch 2.13, bfloat16, 2026-11-25"
+    doc["meta"] |= {"code": {"commit": "f58f5c4d0e1", "modified": True}, "changed_during_run": True}
+    assert headline.machine(doc).endswith(", commit f58f5c4 with modified code; the checkout changed while it ran")
+    assert headline.machine({}) == "no record of its machine"
+    assert headline.machine({"traces": [{"backend": {"dtype": "float32"}}]}) == "float32"  # a simulator run's
+
+
 def test_the_headline_takes_rows_from_every_source(tmp_path, monkeypatch) -> None:
     """A peer's results file is one more row source: its rows join the table under the same columns, and its run
     gets a machine line."""

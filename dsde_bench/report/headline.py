@@ -40,7 +40,8 @@ def machine(doc: Doc) -> str:
     backend = doc.get("backend") or (doc.get("traces") or [{}])[0].get("backend") or {}  # a simulator run: its traces'
     parts = [m.get("cpu"), m.get("cpu_count") and f"{m['cpu_count']} cores", m.get("torch") and f"torch {m['torch']}",
              backend.get("dtype"), meta.get("created", "")[:10],
-             code.get("commit") and f"commit {code['commit'][:7]}" + (" (modified)" if code.get("modified") else "")]
+             code.get("commit") and f"commit {code['commit'][:7]}" + " with modified code" * bool(code.get("modified"))
+             + "; the checkout changed while it ran" * bool(meta.get("changed_during_run"))]
     return ", ".join(p for p in parts if p) or "no record of its machine"
 
 
