@@ -5,6 +5,7 @@ imported only when a command runs."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -91,23 +92,45 @@ def local_serve(args: argparse.Namespace) -> LocalServe:
 
 
 def _add_check_config(sub: Any) -> None:
-    c = sub.add_parser("check-config", help="check a Serve config file (serve deploy FILE) without a cluster")
+    c = sub.add_parser("check-config", help="check a Serve config file (serve deploy FILE); with a cluster to ask, "
+                                            "also whether its actors can be placed there")
     c.add_argument("file", help="a Serve config file, e.g. deploy/config.yaml")
+    c.add_argument("--address", default=None,
+                   help="a running Ray cluster to check the placement against: its dashboard (http://HOST:8265, as "
+                        "serve deploy -a) or its GCS address (HOST:6379, auto); default $RAY_ADDRESS; without "
+                        "either only the config itself is checked")
 
 
 def _check_config(args: argparse.Namespace) -> int:
     """Each application in one line, a note for a model source that is not on this machine (on a cluster it must be
     on every node, which this machine cannot see) and one for a policy that asks for more than the engine's max_sl
-    lets a step draft; a problem is an error naming the application and field."""
+    lets a step draft; a problem is an error naming the application and field. With --address (or $RAY_ADDRESS),
+    a placement the cluster's nodes cannot hold is an error naming the role and the resource."""
+    from dsde_core.errors import ConfigError
     from dsde_core.models.loader import model_source_exists
-    from services.config_file import check_config_file
+    from services.config_file import check_config_file, cluster_nodes, unplaced
 
-    for app in check_config_file(args.file):
+    apps = check_config_file(args.file)
+    address = args.address or os.environ.get("RAY_ADDRESS") or None
+    nodes = cluster_nodes(address) if address and any(app.config for app in apps) else None
+    for app in apps:
         print(app.describe())
-        sources = (app.config.target, app.config.draft) if app.config else ()
+        if app.config is None:
+            continue
+        if where := app.placement():
+            print(f"  {where}")
+        sources = (app.config.target, app.config.draft)
         for source in [s for s in sources if s is not None and not model_source_exists(s)]:
             print(f"  note: model {source!r} is not on this machine; every node that runs a replica needs it")
-        if note := app.ceiling_note():
-            print(f"  note: {note}")
+        for note in [*app.notes, app.ceiling_note()]:
+            if note:
+                print(f"  note: {note}")
+        if nodes is None:
+            print("  note: placement not checked against a cluster (no --address or $RAY_ADDRESS): only its shape")
+        elif problems := unplaced(app.config, nodes):
+            raise ConfigError(f"{args.file}: application {app.name!r}: cannot be placed on the cluster at {address} "
+                              f"({len(nodes)} nodes): {'; '.join(problems)}")
+        else:
+            print(f"  placement: one replica's actors fit the cluster at {address} ({len(nodes)} nodes)")
     print(f"{args.file}: ok")
     return 0

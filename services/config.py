@@ -1,7 +1,8 @@
 """The service's two configurations, validated at construction (ConfigError names the field and the range).
 
 ServiceConfig: what the app is built with (the `args` of `serve deploy` / `build_app`): the models, the engine's
-shape and where each actor runs. Changing it means new actors, i.e. reloading the models.
+shape and where each actor runs (its resources, and optionally one placement group per replica over them:
+docs/scaling.md). Changing it means new actors, i.e. reloading the models.
 
 PolicyConfig: the deployment's `user_config`, applied live by `reconfigure()` without touching the models: the
 policy spec and its parameters, the cap switch, a global ceiling on the speculation length.
@@ -21,6 +22,10 @@ from dsde_core.config import DTYPES, EngineConfig, is_device
 from dsde_core.errors import ConfigError
 from dsde_core.models.loader import DEFAULT_DRAFT, DEFAULT_TARGET
 from dsde_core.policies import DEFAULT_POLICY, above_ceiling, ceiling_note, make_policy
+
+ROLES = ("target", "draft", "controller")  # the actors a replica starts, in the order of its placement group's bundles
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's placement group strategies
+RAY_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")  # set by *_num_cpus / *_num_gpus, not *_resources
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -81,6 +86,15 @@ class ServiceConfig:
     target_num_cpus: float = 1.0
     target_num_gpus: float = 0.0
     controller_num_cpus: float = 0.0
+    # placement across nodes (docs/scaling.md): Ray custom resources each actor asks for besides its CPUs and GPUs
+    # (e.g. {dsde_draft: 1}: only a node that advertises dsde_draft hosts the draft), and a placement strategy that
+    # puts the replica's actors in one placement group (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD; null: no group, each
+    # actor is placed by its own resources). The replica owns the group: it is removed with the replica
+    draft_resources: dict[str, float] = field(default_factory=dict)
+    target_resources: dict[str, float] = field(default_factory=dict)
+    controller_resources: dict[str, float] = field(default_factory=dict)
+    placement_strategy: str | None = None
+    placement_timeout_s: float = 600.0  # a replica waits this long for its placement group (new nodes), then fails
     # failure behaviour and load (docs/failures.md)
     actor_max_restarts: int = 3  # Ray restarts a dead draft, target or controller actor this many times (-1: no limit)
     worker_wait_s: float = 60.0  # requests wait this long for a failed target to come back, then end with a 503
@@ -110,6 +124,7 @@ class ServiceConfig:
             value = getattr(self, name)
             _check(isinstance(value, (int, float)) and 0 <= value <= 1024,
                    f"{name} must be in [0, 1024], got {value!r}")
+        self._check_placement()
         if self.device.startswith("cuda"):
             for role in ["target"] + ["draft"] * (self.draft is not None):
                 _check(getattr(self, f"{role}_num_gpus") > 0,
@@ -139,15 +154,69 @@ class ServiceConfig:
         make_policy(self.policy)  # a bad spec fails at build time, not in the controller
         self.engine_config()  # the engine's own checks (batch, lengths, dtype, threads)
 
+    def _check_placement(self) -> None:
+        for role in ROLES:
+            name = f"{role}_resources"
+            value = {} if getattr(self, name) is None else getattr(self, name)  # null: none
+            _check(isinstance(value, dict), f"{name} must be a mapping of Ray custom resources to amounts, "
+                                            f"got {value!r}")
+            for key, amount in value.items():
+                _check(isinstance(key, str) and re.fullmatch(r"[\w.:/-]+", key) is not None,
+                       f"{name}: a resource name is a non-empty string without spaces, got {key!r}")
+                _check(key not in RAY_RESOURCES, f"{name}: {key!r} is not a custom resource (set {role}_num_cpus / "
+                                                 f"{role}_num_gpus for CPUs and GPUs)")
+                _check(isinstance(amount, (int, float)) and not isinstance(amount, bool) and 0 < amount <= 1e6,
+                       f"{name}: {key} must be an amount in (0, 1e6], got {amount!r}")
+            object.__setattr__(self, name, {k: float(v) for k, v in value.items()})
+        strategy = self.placement_strategy
+        if isinstance(strategy, str) and strategy.strip().lower() in ("", "none"):
+            strategy = None
+        _check(strategy is None or (isinstance(strategy, str) and strategy.strip().upper() in PLACEMENT_STRATEGIES),
+               f"placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)} or null, got {strategy!r}")
+        object.__setattr__(self, "placement_strategy", strategy and strategy.strip().upper())
+        _check(isinstance(self.placement_timeout_s, (int, float)) and 0 < self.placement_timeout_s <= 86400,
+               f"placement_timeout_s must be in (0, 86400], got {self.placement_timeout_s!r}")
+        if self.placement_strategy is not None:
+            for role in self.model_roles():
+                _check(bool(self.resources(role)),
+                       f"placement_strategy {self.placement_strategy} gives the {role} a bundle of the replica's "
+                       f"placement group, but it asks for no resource ({role}_num_cpus 0, {role}_num_gpus 0, no "
+                       f"{role}_resources): give it some")
+
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> ServiceConfig:
         return _from_dict(cls, args, "app args")
+
+    def model_roles(self) -> tuple[str, ...]:
+        """The model hosts this config starts: the target, and the draft unless it serves target-only."""
+        return ("target",) if self.draft is None else ("target", "draft")
+
+    def resources(self, role: str) -> dict[str, float]:
+        """What the `role` actor asks Ray for by Ray's resource names (CPU, GPU, custom ones); no zero amounts."""
+        gpus = 0.0 if role == "controller" else getattr(self, f"{role}_num_gpus")
+        wants = {"CPU": getattr(self, f"{role}_num_cpus"), "GPU": gpus, **getattr(self, f"{role}_resources")}
+        return {name: float(amount) for name, amount in wants.items() if amount}
+
+    def bundles(self) -> dict[str, dict[str, float]]:
+        """role -> its bundle in the replica's placement group, in bundle order (empty without placement_strategy).
+        The draft and the target always have one; the controller only when it asks for a resource (a bundle cannot
+        be empty): otherwise it is placed outside the group, as an actor that needs nothing."""
+        if self.placement_strategy is None:
+            return {}
+        roles = [*self.model_roles(), *(["controller"] if self.resources("controller") else [])]
+        return {role: self.resources(role) for role in ROLES if role in roles}
 
     @property
     def served_name(self) -> str:
         if self.model_name:
             return self.model_name
         return os.path.basename(os.path.normpath(self.target)) or self.target
+
+    @property
+    def max_ongoing_requests(self) -> int:
+        """Serve's max_ongoing_requests for a replica (services.app): every request the engine may hold
+        (max_batch_size + max_queue; it answers more with 429 itself, quickly) plus headroom."""
+        return self.max_batch_size + self.max_queue + 64
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len, max_sl=self.max_sl,
@@ -205,6 +274,43 @@ class PolicyConfig:
         if self.cap is not None:
             text += "+cap" if self.cap else "-cap"
         return text
+
+
+def autoscaling_config(cfg: ServiceConfig, given: Any, max_ongoing_requests: int | None = None) -> dict[str, Any]:
+    """Serve's autoscaling_config for this app: `given` (a mapping of Serve's AutoscalingConfig fields) checked by
+    Serve's own model, with target_ongoing_requests defaulting to max_batch_size: a replica whose KV slots are all
+    busy is at its target, and requests waiting for a slot push it over. ConfigError names the field at fault, and a
+    target no replica can reach: a replica holds at most max_batch_size + max_queue requests (it answers more with
+    429) and Serve sends it at most max_ongoing_requests."""
+    from pydantic import ValidationError
+    from ray.serve.config import AutoscalingConfig
+
+    if isinstance(given, str):  # `serve run ... autoscaling_config='{max_replicas: 2}'`
+        given = yaml.safe_load(given)
+    if not isinstance(given, dict):
+        raise ConfigError(f"autoscaling_config must be a mapping of Serve's AutoscalingConfig fields (min_replicas, "
+                          f"max_replicas, target_ongoing_requests, ...), got {given!r}", "autoscaling_config")
+    unknown = sorted(set(given) - set(AutoscalingConfig.model_fields))
+    if unknown:
+        raise ConfigError(f"autoscaling_config: unknown key(s) {', '.join(map(str, unknown))}; valid: "
+                          f"{', '.join(AutoscalingConfig.model_fields)}", "autoscaling_config")
+    config = {"target_ongoing_requests": cfg.max_batch_size, **given}
+    try:
+        AutoscalingConfig(**config)
+    except ValidationError as e:
+        problems = "; ".join(": ".join(filter(None, (".".join(map(str, err["loc"])), err["msg"])))
+                             for err in e.errors())
+        raise ConfigError(f"autoscaling_config: {problems}", "autoscaling_config") from None
+    target = config["target_ongoing_requests"]
+    limits = {"max_batch_size + max_queue": cfg.max_batch_size + cfg.max_queue}
+    if max_ongoing_requests is not None:
+        limits["max_ongoing_requests"] = max_ongoing_requests
+    for name, limit in limits.items():
+        if target is not None and target > limit:
+            raise ConfigError(f"autoscaling_config: target_ongoing_requests {target:g} is above {name} ({limit}): no "
+                              f"replica ever holds that many requests, so Serve would never scale up",
+                              "autoscaling_config")
+    return config
 
 
 def build_policy(cfg: PolicyConfig) -> Any:

@@ -125,17 +125,18 @@ def _check_vocab(actors: Actors) -> None:
 
 # ---- the request guard: API key and body size ----------------------------------------------------------
 _guard: dict[str, Any] = {"api_key": None, "max_bytes": 1 << 20, "model": None,  # set by DSDEServer.__init__
-                          "max_seq_len": None, "vocab_size": None}
+                          "max_seq_len": None, "vocab_size": None, "replica": ""}
 OPEN_PATHS = frozenset({"/health"})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
 def configure_guard(api_key: str | None, max_bytes: int, model: str | None = None, max_seq_len: int | None = None,
-                    vocab_size: int | None = None) -> None:
+                    vocab_size: int | None = None, replica: str = "") -> None:
     """Set this process's guard (and the served name and limits the schema shows). A function, not a dict update in
     the replica: Serve ships the deployment class by value, so a module dict it names would be a copy; this module's
     functions are reached by reference."""
-    _guard.update(api_key=api_key, max_bytes=max_bytes, model=model, max_seq_len=max_seq_len, vocab_size=vocab_size)
+    _guard.update(api_key=api_key, max_bytes=max_bytes, model=model, max_seq_len=max_seq_len, vocab_size=vocab_size,
+                  replica=replica)
     app.openapi_schema = None  # the schema states them: built again at the next read
 
 
@@ -207,7 +208,37 @@ class RequestGuard:
         await self.app(scope, replay, send)
 
 
+class ReplicaHeader:
+    """ASGI middleware: every response names the replica that answered (`x-dsde-replica`, Serve's replica id), so a
+    client behind several replicas can tell them apart."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        replica = _guard["replica"]
+        if scope["type"] != "http" or not replica:
+            await self.app(scope, receive, send)
+            return
+
+        async def named(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-dsde-replica", replica.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, named)
+
+
+def replica_id() -> str:
+    """Serve's id of this replica (the `replica` tag of Serve's metrics); "" outside a Serve replica."""
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - not in a replica (a test builds the class by hand)
+        return ""
+
+
 app.add_middleware(RequestGuard)
+app.add_middleware(ReplicaHeader)
 
 
 def _bound_ints(schema: dict[str, Any], lo: int, hi: int) -> None:
@@ -357,13 +388,14 @@ class DSDEServer:
         self.model = cfg.served_name
         transport.register()  # the proposals this engine forwards to the target travel packed
         self.policy_config = PolicyConfig(policy=cfg.policy)
+        self.replica = replica_id()
         self.actors = start_actors(cfg, self.policy_config)
         _check_vocab(self.actors)
         configure_guard(cfg.api_key or os.environ.get("DSDE_API_KEY") or None, cfg.max_request_bytes, self.model,
-                        cfg.max_seq_len, self.actors.target_info.vocab_size)
+                        cfg.max_seq_len, self.actors.target_info.vocab_size, self.replica)
         self.tokenizer = self.actors.target_info.tokenizer
         self._token_bytes = token_bytes(self.tokenizer)  # logprobs' `bytes`: a token's own, not its text's
-        self.metrics = ServiceMetrics(self.model)
+        self.metrics = ServiceMetrics(self.model, self.replica, cfg.max_batch_size)
         set_current_metrics(self.metrics)
         self.controller = ControllerProxy(self.actors.controller)
         self.engine = Engine(
@@ -486,7 +518,9 @@ class DSDEServer:
         state["draft_slots_open"] = await ask(self.actors.draft, "num_open")
         state["controller_tracked"] = await ask(self.actors.controller, "num_tracked")
         state["draining"] = self.draining
-        state["actors"] = {"namespace": self.actors.namespace, "names": self.actors.names}
+        state["actors"] = {"namespace": self.actors.namespace, "names": self.actors.names,
+                           "placement": self.actors.placement()}
+        state["replica"] = self.replica
         state["capacity"] = {"max_batch_size": self.cfg.max_batch_size, "max_queue": self.cfg.max_queue}
         return state
 

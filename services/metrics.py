@@ -4,7 +4,9 @@ to counters). Names follow vLLM's where one exists, so existing queries carry ov
 Recorded in the ingress, where the engine lives, from what the engine already produces: each request's outputs
 and final RequestStats (ServiceMetrics.on_output / on_finish), and each step's plans and feedback as they pass
 through the policy interface (ObservedPolicy wraps the policy the engine talks to). dsde_core records nothing.
-Every metric is tagged with the served model name. docs/operations.md's metrics table lists them all.
+Every metric is tagged with the served model name; the per-replica load signals that autoscaling is judged by also
+with the replica (Serve's replica id, as Serve's own `replica` tag): several replicas on one node would otherwise
+export one series. docs/operations.md's metrics table lists them all.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ METRICS: list[tuple[str, str, str, tuple[str, ...], list[float] | None]] = [
     ("dsde_num_requests_running", "gauge", "Requests in the engine's running batch", (), None),
     ("dsde_num_requests_waiting", "gauge", "Requests waiting for a KV slot", (), None),
     ("dsde_kv_slots_in_use", "gauge", "KV-cache slots held by running requests", (), None),
+    ("dsde_kv_cache_usage_perc", "gauge", "Share of this replica's KV-cache slots in use (0-1; 1: every one of "
+     "max_batch_size held)", ("replica",), None),
+    ("dsde_replica_num_requests_waiting", "gauge", "Requests waiting for a KV slot in this replica", ("replica",),
+     None),
     ("dsde_sl_cap", "gauge", "DSDE's batch SL cap at the last step (0 when no sequence was capped)", (), None),
     ("dsde_worker_up", "gauge", "1 while the engine reaches the worker (draft, target, policy), 0 while it is down",
      ("worker",), None),
@@ -82,8 +88,9 @@ class ServiceMetrics:
     """All of the service's metrics, created once per ingress replica; thread-safe to record from the engine
     thread and the event loop alike (ray.util.metrics records into the core worker)."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, replica: str = "", max_batch_size: int | None = None) -> None:
         self.tags = {"model": model}
+        self.replica, self.max_batch_size = replica, max_batch_size  # the per-replica signals' tag and denominator
         self.m: dict[str, Any] = {}
         for name, kind, desc, extra, buckets in METRICS:
             keys = ("model", *extra)
@@ -140,6 +147,9 @@ class ServiceMetrics:
         self._set("dsde_num_requests_running", running)
         self._set("dsde_num_requests_waiting", waiting)
         self._set("dsde_kv_slots_in_use", slots_in_use)
+        self._set("dsde_replica_num_requests_waiting", waiting, replica=self.replica)
+        if self.max_batch_size:
+            self._set("dsde_kv_cache_usage_perc", slots_in_use / self.max_batch_size, replica=self.replica)
 
     def on_workers(self, up: dict[str, bool], failures: dict[str, int]) -> None:
         """Each worker's state and its failures so far (the engine's count: the counter grows by what is new; a down

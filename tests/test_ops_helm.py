@@ -7,7 +7,11 @@ engine, template functions, values coalescing and values.schema.json check as th
   `kubectl apply --validate=strict` is (an unknown field is an error), and its pod templates validate as Pods;
 - the ConfigMap validates with kubernetes-validate (strict), the PodMonitor and the PrometheusRule (the rules and
   alerts of deploy/prometheus/rules, verbatim) against the Prometheus Operator's models;
-- the serve config is deploy/config.yaml's application; the head schedules no work; the GPU workers ask for GPUs.
+- the serve config is deploy/config.yaml's application (serve.autoscaling merged over its autoscaling_config); the
+  head schedules no work; the GPU workers ask for GPUs; KubeRay's autoscaler may add the workers more replicas need;
+- the split placement (splitPlacement): a CPU group for drafts and the GPU group for targets, each advertising the
+  custom resource the app args ask for, in the form `ray start --resources` reads through KubeRay's shell command,
+  and a cluster of one pod of each holds a replica's actors (services.config_file.unplaced).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import copy
 import gzip
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +101,11 @@ def test_values_yaml_validates_against_values_schema_json() -> None:
 
 @pytest.mark.parametrize("bad", [{"worker": {"gpus": -1}}, {"worker": {"gpu": 1}},
                                  {"image": {"pullPolicy": "Sometimes"}},
-                                 {"monitoring": {"podMonitor": {"interval": "soon"}}}])
+                                 {"monitoring": {"podMonitor": {"interval": "soon"}}},
+                                 {"serve": {"autoscaling": {"max_replicas": 0}}},
+                                 {"splitPlacement": {"strategy": "SPREAD_THIN"}},
+                                 {"splitPlacement": {"draftResource": "has space"}},
+                                 {"autoscaler": {"upscalingMode": "Eager"}}])
 def test_helm_rejects_values_the_schema_forbids(bad: dict[str, Any]) -> None:
     with pytest.raises(helm.HelmError, match="schema|want|not allowed|must be|value must be one of"):
         render(bad)
@@ -146,6 +155,7 @@ def test_serve_config_is_deploy_config_yamls_application(default: dict[str, Any]
     def expected(overrides: dict[str, Any]) -> dict[str, Any]:
         want = copy.deepcopy(app)
         want["args"].update(overrides)
+        want["deployments"][0]["autoscaling_config"].update(values["serve"]["autoscaling"])
         # Helm drops null-valued keys of maps in values: a null arg is ServiceConfig's default, so absent == null
         want["args"] = {k: v for k, v in want["args"].items() if v is not None}
         return want
@@ -162,6 +172,7 @@ def test_serve_config_is_deploy_config_yamls_application(default: dict[str, Any]
         assert ServiceConfig.from_args(rendered["args"]) == ServiceConfig.from_args({**app["args"], **overrides})
         assert config["http_options"] == {"host": "0.0.0.0", "port": 8000}
     assert values["serve"]["argOverrides"] == {"draft_num_gpus": 0.5, "target_num_gpus": 0.5}
+    assert values["serve"]["autoscaling"] == {"max_replicas": 2}
 
 
 def test_the_rendered_serve_config_passes_dsde_check_config(default: dict[str, Any], tmp_path: Path) -> None:
@@ -171,6 +182,8 @@ def test_the_rendered_serve_config_passes_dsde_check_config(default: dict[str, A
     path.write_text(default["RayService"]["spec"]["serveConfigV2"])
     [app] = check_config_file(path)
     assert app.config is not None and app.config.target_num_gpus == 0.5 and app.policy is not None
+    assert app.autoscaling is not None and app.autoscaling["max_replicas"] == 2
+    assert app.autoscaling["target_ongoing_requests"] == app.config.max_batch_size
 
 
 def test_head_schedules_no_work_and_the_gpu_workers_ask_for_gpus(default: dict[str, Any]) -> None:
@@ -206,6 +219,76 @@ def test_head_schedules_no_work_and_the_gpu_workers_ask_for_gpus(default: dict[s
     [worker] = cpu_only["RayService"]["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     assert "num-gpus" not in worker["rayStartParams"]
     assert "nvidia.com/gpu" not in worker["template"]["spec"]["containers"][0]["resources"].get("limits", {})
+
+
+def _advertised(group: dict[str, Any]) -> dict[str, float]:
+    """The resources a worker group's pods advertise to Ray: KubeRay runs `ray start --KEY=VALUE ...` through a shell,
+    so a `resources` value is what the shell makes of it."""
+    params = group["rayStartParams"]
+    out = {"CPU": float(group["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"])}
+    if "num-gpus" in params:
+        out["GPU"] = float(params["num-gpus"])
+    if "resources" in params:
+        [arg] = shlex.split(f"--resources={params['resources']}")
+        out.update(json.loads(arg.removeprefix("--resources=")))
+    return out
+
+
+def test_the_workers_autoscale_up_to_the_replicas_serve_may_ask_for(default: dict[str, Any],
+                                                                    crd_schema: dict[str, Any]) -> None:
+    from services.config_file import unplaced
+
+    cluster = default["RayService"]["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    assert cluster["autoscalerOptions"] == {"idleTimeoutSeconds": 60, "upscalingMode": "Default"}
+    [worker] = cluster["workerGroupSpecs"]
+    [app] = _serve_config(default)["applications"]
+    scaling = app["deployments"][0]["autoscaling_config"]
+    assert worker["maxReplicas"] >= scaling["max_replicas"] > scaling["min_replicas"] == worker["minReplicas"]
+    # one GPU worker holds one replica's pair (half a GPU each), so max_replicas workers hold them all
+    from services.config import ServiceConfig
+
+    cfg = ServiceConfig.from_args(app["args"])
+    assert unplaced(cfg, [_advertised(worker)]) == []
+    assert cfg.resources("draft")["GPU"] + cfg.resources("target")["GPU"] <= _advertised(worker)["GPU"]
+    off = render({"autoscaler": {"enabled": False}})["RayService"]
+    assert off["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is False
+    assert "autoscalerOptions" not in off["spec"]["rayClusterConfig"]
+    jsonschema.Draft7Validator(crd_schema).validate(off)
+
+
+def test_the_split_placement_puts_drafts_on_a_cpu_group_and_targets_on_the_gpu_group(
+        crd_schema: dict[str, Any], tmp_path: Path) -> None:
+    from services.config_file import check_config_file, unplaced
+
+    split = render({"splitPlacement": {"enabled": True, "strategy": "STRICT_SPREAD", "draftsPerWorker": 3}})
+    rayservice = split["RayService"]
+    jsonschema.Draft7Validator(crd_schema).validate(rayservice)
+    gpu, cpu = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert (gpu["groupName"], cpu["groupName"]) == ("gpu", "cpu")
+    assert _advertised(gpu) == {"CPU": 4.0, "GPU": 1.0, "dsde_target": 1}
+    assert _advertised(cpu) == {"CPU": 4.0, "dsde_draft": 3}
+    cpu_spec = cpu["template"]["spec"]
+    assert "nvidia.com/gpu" not in cpu_spec["containers"][0]["resources"]["limits"] and "nodeSelector" not in cpu_spec
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "dsde-cpu", **cpu["template"]["metadata"]},
+           "spec": cpu_spec}
+    kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+
+    path = tmp_path / "serveConfigV2.yaml"
+    path.write_text(rayservice["spec"]["serveConfigV2"])
+    [app] = check_config_file(path)
+    cfg = app.config
+    assert cfg is not None and cfg.placement_strategy == "STRICT_SPREAD"
+    assert cfg.resources("draft") == {"CPU": 2.0, "dsde_draft": 1.0}  # no GPU: the draft runs on the CPU worker
+    assert cfg.resources("target") == {"CPU": 1.0, "GPU": 1.0, "dsde_target": 1.0}
+    # a GPU pod and a CPU pod hold a replica; without the CPU pod the draft has nowhere to go, said by name
+    assert unplaced(cfg, [_advertised(gpu), _advertised(cpu)]) == []
+    assert unplaced(cfg, [_advertised(gpu)]) == ["the draft asks for dsde_draft 1 (no node has it)"]
+    # the CPU group's pod values are its own
+    custom = render({"splitPlacement": {"enabled": True, "cpuWorker": {"maxReplicas": 4, "nodeSelector": {
+        "pool": "cpu"}}}})
+    _, cpu = custom["RayService"]["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert cpu["maxReplicas"] == 4 and cpu["template"]["spec"]["nodeSelector"] == {"pool": "cpu"}
 
 
 # ---- monitoring ---------------------------------------------------------------------------------------------------

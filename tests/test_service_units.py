@@ -77,6 +77,95 @@ def test_serve_run_key_value_args_are_read_as_their_fields_types() -> None:
             ServiceConfig.from_args(convert_args_to_dict(bad))
 
 
+def test_placement_args_reserve_nothing_by_default_and_a_bundle_per_actor_with_a_strategy() -> None:
+    """No placement args: no group, each actor asks only for its CPUs/GPUs, as before. With placement_strategy each
+    model host gets a bundle holding exactly what it asks for; the controller only when it asks for something (a
+    bundle cannot be empty). `serve run` hands the args over as strings, read as the config file would."""
+    from ray.serve.scripts import convert_args_to_dict
+
+    cfg = ServiceConfig()
+    assert cfg.placement_strategy is None and cfg.bundles() == {}
+    assert (cfg.resources("draft"), cfg.resources("target"), cfg.resources("controller")) == ({"CPU": 1.0},
+                                                                                               {"CPU": 1.0}, {})
+    split = ServiceConfig.from_args(convert_args_to_dict((
+        "placement_strategy=strict_spread", "draft_resources={dsde_draft: 1}", "target_resources={dsde_target: 1}",
+        "target_num_gpus=1", "draft_num_cpus=2")))
+    assert split.placement_strategy == "STRICT_SPREAD"
+    assert split.bundles() == {"target": {"CPU": 1.0, "GPU": 1.0, "dsde_target": 1.0},
+                               "draft": {"CPU": 2.0, "dsde_draft": 1.0}}
+    assert list(ServiceConfig(placement_strategy="PACK", controller_resources={"head": 0.01}).bundles()) == [
+        "target", "draft", "controller"]
+    assert list(ServiceConfig(draft="none", placement_strategy="PACK").bundles()) == ["target"]
+    assert ServiceConfig(placement_strategy="none", draft_resources=None).placement_strategy is None
+    for bad, says in [({"placement_strategy": "SPREAD_OUT"}, "placement_strategy must be one of PACK, SPREAD"),
+                      ({"draft_resources": {"CPU": 1}}, "draft_resources: 'CPU' is not a custom resource"),
+                      ({"target_resources": {"GPU": 1}}, "target_resources: 'GPU' is not a custom resource"),
+                      ({"controller_resources": {"a b": 1}}, "controller_resources: a resource name"),
+                      ({"draft_resources": {"x": 0}}, "draft_resources: x must be an amount in (0, 1e6]"),
+                      ({"draft_resources": {"x": True}}, "draft_resources: x must be an amount"),
+                      ({"target_resources": [1]}, "target_resources must be a mapping"),
+                      ({"placement_timeout_s": 0}, "placement_timeout_s must be in (0, 86400]"),
+                      ({"placement_strategy": "PACK", "target_num_cpus": 0},
+                       "placement_strategy PACK gives the target a bundle of the replica's placement group, but it "
+                       "asks for no resource")]:
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            ServiceConfig.from_args(bad)
+
+
+def test_each_actor_is_created_with_its_resources_and_in_its_bundle() -> None:
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from services.placement import _options
+
+    plain = _options(ServiceConfig(draft_resources={"dsde_draft": 1}), "draft", "dsde-draft-x", None, {})
+    assert plain == {"num_cpus": 1.0, "num_gpus": 0.0, "resources": {"dsde_draft": 1.0}, "max_restarts": 3,
+                     "max_task_retries": 0, "name": "dsde-draft-x"}
+    cfg = ServiceConfig(placement_strategy="SPREAD", target_resources={"dsde_target": 1})
+    group = PlacementGroup(PlacementGroupID.from_random())
+    bundles = {role: i for i, role in enumerate(cfg.bundles())}
+    target = _options(cfg, "target", "t", group, bundles)
+    strategy = target["scheduling_strategy"]
+    assert isinstance(strategy, PlacementGroupSchedulingStrategy) and strategy.placement_group is group
+    assert strategy.placement_group_bundle_index == 0 and target["resources"] == {"dsde_target": 1.0}
+    assert _options(cfg, "draft", "d", group, bundles)["scheduling_strategy"].placement_group_bundle_index == 1
+    assert "scheduling_strategy" not in _options(cfg, "controller", "c", group, bundles)  # asks nothing: no bundle
+
+
+def test_build_app_takes_an_autoscaling_config_and_never_sets_num_replicas() -> None:
+    from services.app import build_app
+
+    base = {"draft": "none", "max_batch_size": 4}
+    fixed = build_app(base)._bound_deployment._deployment_config
+    assert "num_replicas" not in fixed.user_configured_option_names and fixed.autoscaling_config is None
+    scaled = build_app({**base, "autoscaling_config": {"min_replicas": 1, "max_replicas": 3}})
+    config = scaled._bound_deployment._deployment_config
+    assert "num_replicas" not in config.user_configured_option_names
+    assert (config.autoscaling_config.min_replicas, config.autoscaling_config.max_replicas) == (1, 3)
+    assert config.autoscaling_config.target_ongoing_requests == 4  # max_batch_size, unless given
+    given = build_app({**base, "autoscaling_config": "{max_replicas: 2, target_ongoing_requests: 6}"})  # serve run
+    assert given._bound_deployment._deployment_config.autoscaling_config.target_ongoing_requests == 6
+    for bad, says in [({"max_replicas": 0}, "autoscaling_config: max_replicas: Input should be greater than 0"),
+                      ({"min_replicas": 3, "max_replicas": 2}, "max_replicas (2) must be greater than or equal"),
+                      ({"max_replica": 2}, "autoscaling_config: unknown key(s) max_replica; valid: min_replicas"),
+                      ({"target_ongoing_requests": 100}, "target_ongoing_requests 100 is above max_batch_size + "
+                                                         "max_queue (68)"),
+                      ([2], "autoscaling_config must be a mapping")]:
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            build_app({**base, "autoscaling_config": bad})
+
+
+def test_the_per_replica_load_signals_carry_the_replica() -> None:
+    from services.metrics import ServiceMetrics
+
+    metrics = ServiceMetrics("tiny", "r1", max_batch_size=4)
+    metrics.on_load(running=3, waiting=5, slots_in_use=3)
+    assert metrics._gauges[("dsde_kv_cache_usage_perc", (("replica", "r1"),))] == 0.75
+    assert metrics._gauges[("dsde_replica_num_requests_waiting", (("replica", "r1"),))] == 5
+    assert metrics._gauges[("dsde_num_requests_waiting", ())] == 5  # the model-wide series, as before
+
+
 def test_draft_window_reaches_the_engine_config_and_the_draft_host(save_tiny_model) -> None:
     """Off by default; an app arg draft_window reaches the ingress's engine (which prices the draft's prefill with it)
     and the DraftHost's worker (which windows its cache) alike."""
