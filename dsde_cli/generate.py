@@ -11,6 +11,7 @@ from typing import Any
 
 from transformers.utils import logging as hf_logging
 
+from dsde_cli.flags import add_backend_flags
 from dsde_core.config import EngineConfig, SamplingParams
 from dsde_core.errors import ConfigError
 from dsde_core.llm import GenerationResult, SpeculativeLLM
@@ -36,7 +37,9 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="[0.01, 10], 1: none (prompt and output)")
     g.add_argument("--dtype", default="bfloat16", help="bfloat16 (fast) or float32 (bit-exact losslessness)")
     g.add_argument("--device", default="cpu")
-    g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="threads of torch and llama.cpp (default: torch's choice, every core for llama.cpp)")
+    add_backend_flags(g)
     g.add_argument("--draft", default=DEFAULT_DRAFT, help="embedded name, HF model directory or .gguf file")
     g.add_argument("--target", default=DEFAULT_TARGET, help="embedded name, HF model directory or .gguf file")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
@@ -85,7 +88,8 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
-    config = EngineConfig(max_batch_size=1, dtype=args.dtype, device=args.device, num_threads=args.threads)
+    config = EngineConfig(max_batch_size=1, dtype=args.dtype, device=args.device, num_threads=args.threads,
+                          backend=args.backend, draft_backend=args.draft_backend)
     hf_logging.disable_progress_bar()  # transformers' "Loading weights" bars: this command reports its own lines
     llm = SpeculativeLLM.load(draft=args.draft, target=args.target, config=config)
     ids = llm.encode(args.prompt, args.chat)

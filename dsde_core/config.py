@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsde_core.errors import ConfigError
+from dsde_core.models.backends import BACKENDS
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 
@@ -136,7 +137,9 @@ class EngineConfig:
     draft_top_k: int = 64  # K: the draft ships its top-K probabilities, never the full vocabulary
     dtype: str = "bfloat16"
     device: str = "cpu"
-    num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
+    backend: str = "auto"  # the runner of both models: "torch", "llama.cpp" or "auto" (dsde_core.models.backends)
+    draft_backend: str | None = None  # the draft's, where it differs from `backend`
+    num_threads: int | None = None  # torch intra-op threads and llama.cpp's; None: torch's default, every core
     draft_quant: str = "auto"  # draft weights: "int8" (weight-only), "none", or "auto" (int8 for bf16 on CPU)
     draft_catch_up: bool = False  # feed committed tokens to the draft every step, even for sequences with k = 0
     draft_max_lag: int = 32  # otherwise: a k = 0 sequence's draft cache catches up once it lags this many tokens
@@ -162,6 +165,10 @@ class EngineConfig:
         _check(self.dtype in DTYPES, f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         _check(is_device(self.device),
                f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        for name in ("backend", "draft_backend"):
+            v = getattr(self, name)
+            _check((v is None and name == "draft_backend") or v in BACKENDS,
+                   f"{name} must be one of {', '.join(BACKENDS)}, got {v!r}")
         _check(self.draft_quant in ("auto", "int8", "none"),
                f"draft_quant must be 'auto', 'int8' or 'none', got {self.draft_quant!r}")
         _check(self.draft_max_lag >= 2, f"draft_max_lag must be >= 2, got {self.draft_max_lag}")

@@ -15,8 +15,8 @@ import torch
 
 from dsde_core.config import EngineConfig, SamplingParams, SpeculationParams
 from dsde_core.engine import Engine
+from dsde_core.models.backends import resolve_backend
 from dsde_core.models.loader import DEFAULT_DRAFT, DEFAULT_TARGET, LoadedModel, check_compatible, load_model
-from dsde_core.models.runner import ModelRunner
 from dsde_core.policies import SpeculationPolicy, make_policy
 from dsde_core.request import RequestStats
 from dsde_core.sampling import TokenLogprob
@@ -61,16 +61,17 @@ class SpeculativeLLM:
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | None, config: EngineConfig,
                  policy: str | SpeculationPolicy = "dsde") -> None:
-        if config.num_threads:
+        if all(m.backend == "llama.cpp" for m in (target, draft) if m is not None):
+            # torch only samples here (small ops): its idle OpenMP threads would spin beside llama.cpp's on the cores
+            torch.set_num_threads(1)
+        elif config.num_threads:
             torch.set_num_threads(config.num_threads)
         if draft is not None:
             check_compatible(draft, target)
         self.target, self.draft, self.config = target, draft, config
-        target_runner = ModelRunner(target.model, config.max_batch_size, config.max_seq_len)
-        draft_worker = None
-        if draft is not None:
-            draft_runner = ModelRunner(draft.model, config.max_batch_size, config.max_seq_len)
-            draft_worker = DraftWorker.from_config(draft_runner, config)
+        shape = (config.max_batch_size, config.max_seq_len, config.num_threads)
+        target_runner = target.make_runner(*shape)
+        draft_worker = DraftWorker.from_config(draft.make_runner(*shape), config) if draft is not None else None
         self.engine = Engine(
             TargetWorker(target_runner), draft_worker, _policy(policy), target.tokenizer, config,
             eos_ids=eos_token_ids(target), vocab_size=target_runner.vocab_size,
@@ -82,8 +83,12 @@ class SpeculativeLLM:
         """Load models by embedded name, Hugging Face directory or GGUF file. draft=None: target only."""
         config = config or EngineConfig()
         # the draft first: smaller, so a bad path fails faster
-        drf = load_model(draft, config.torch_dtype, config.device, quantize=config.draft_quantize) if draft else None
-        tgt = load_model(target, config.torch_dtype, config.device)
+        drf = None
+        if draft:
+            backend = resolve_backend(config.draft_backend or config.backend, draft, config.device, config.dtype)
+            drf = load_model(draft, config.torch_dtype, config.device, config.draft_quantize, backend)
+        backend = resolve_backend(config.backend, target, config.device, config.dtype)
+        tgt = load_model(target, config.torch_dtype, config.device, backend=backend)
         return cls(tgt, drf, config, policy)
 
     @property

@@ -26,7 +26,7 @@ import torch
 
 from dsde_core.config import EngineConfig, SamplingParams
 from dsde_core.errors import WorkerStateLost
-from dsde_core.models.runner import ModelRunner
+from dsde_core.models.runner import Runner
 from dsde_core.policies.adaedl import entropy_confidence, should_stop
 from dsde_core.policies.stopping import CONFIDENCE_AS_P, AcceptModel, DraftStop
 from dsde_core.sampling import (
@@ -118,7 +118,7 @@ class _Worker:
     stream = 0
     role = "worker"
 
-    def __init__(self, runner: ModelRunner, window: int | None = None) -> None:
+    def __init__(self, runner: Runner, window: int | None = None) -> None:
         self.runner = runner
         self.slots: dict[int, _Slot] = {}
         self.window = window  # an empty cache takes in at most the last `window` tokens (the draft's; never the target)
@@ -167,7 +167,7 @@ class DraftWorker(_Worker):
     stream = 1
     role = "draft"
 
-    def __init__(self, runner: ModelRunner, top_k: int = 64, logit_noise: float = 0.0,
+    def __init__(self, runner: Runner, top_k: int = 64, logit_noise: float = 0.0,
                  window: int | None = None) -> None:
         super().__init__(runner, window)
         self.top_k = top_k
@@ -175,7 +175,7 @@ class DraftWorker(_Worker):
         self._noise_gen = torch.Generator().manual_seed(12345)
 
     @classmethod
-    def from_config(cls, runner: ModelRunner, config: EngineConfig) -> DraftWorker:
+    def from_config(cls, runner: Runner, config: EngineConfig) -> DraftWorker:
         """The draft worker an engine of `config` prices: its top-K, logit noise and window."""
         return cls(runner, config.draft_top_k, config.draft_logit_noise, config.draft_window)
 

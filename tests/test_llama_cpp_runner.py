@@ -7,13 +7,13 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from dsde_core.errors import ConfigError, ModelLoadError
 from dsde_core.models.llama import LlamaModel
 from dsde_core.models.runner import ModelRunner
+from tests.tiny_gguf import write_qwen2_gguf
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install llama-cpp-python==0.3.36)")
 
@@ -57,47 +57,8 @@ def tiny_qwen2():
 
 def write_gguf(path: Path) -> Path:
     """The tiny Qwen2 as llama.cpp's qwen2 architecture reads it: F32 tensors, [out, in] rows as in torch."""
-    import gguf
-
     config, state = tiny_qwen2()
-    w = gguf.GGUFWriter(str(path), "qwen2")
-    w.add_context_length(config.max_position_embeddings)
-    w.add_embedding_length(config.hidden_size)
-    w.add_block_count(config.num_hidden_layers)
-    w.add_feed_forward_length(config.intermediate_size)
-    w.add_head_count(config.num_attention_heads)
-    w.add_head_count_kv(config.num_key_value_heads)
-    w.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
-    w.add_layer_norm_rms_eps(config.rms_norm_eps)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(TOKENS)
-    w.add_token_types([gguf.TokenType.NORMAL] * (VOCAB - len(SPECIALS)) + [gguf.TokenType.CONTROL] * len(SPECIALS))
-    w.add_token_merges(MERGES)
-    w.add_eos_token_id(config.eos_token_id)
-    w.add_bos_token_id(config.bos_token_id)
-    w.add_add_bos_token(False)
-    names = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-             "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
-             "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
-    for p in "qkv":
-        names[f"self_attn.{p}_proj.weight"] = f"attn_{p}.weight"
-        names[f"self_attn.{p}_proj.bias"] = f"attn_{p}.bias"
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-    for k, v in state.items():
-        if k in top:
-            name = top[k]
-        else:
-            _, _, layer, rest = k.split(".", 3)  # model.layers.N.<rest>
-            name = f"blk.{layer}.{names[rest]}"
-        w.add_tensor(name, v.numpy().astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_qwen2_gguf(path, config, state, TOKENS, MERGES, specials=len(SPECIALS))
 
 
 @pytest.fixture(scope="module")

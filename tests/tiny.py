@@ -4,7 +4,9 @@ so that draft and target agree often but not always (every accept/reject path ru
 from __future__ import annotations
 
 import os
+import tempfile
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -12,7 +14,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from dsde_core.config import EngineConfig
 from dsde_core.engine import Engine
 from dsde_core.models.llama import LlamaModel
-from dsde_core.models.runner import ModelRunner
+from dsde_core.models.runner import ModelRunner, Runner
 from dsde_core.policies import SpeculationPolicy, make_policy
 from dsde_core.workers import DraftWorker, TargetWorker
 
@@ -51,22 +53,51 @@ def hf_target() -> Qwen2ForCausalLM:
 def tiny_pair(noise: float = 0.03, seed: int = 0) -> tuple[LlamaModel, LlamaModel]:
     """(target, draft) in fp32; the draft is the target with Gaussian noise added to every weight."""
     config, state = tiny_state(seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    noisy = {k: v + noise * v.std() * torch.randn(v.shape, generator=gen) if v.numel() > 1 else v.clone()
-             for k, v in state.items()}
     target = LlamaModel.from_hf(config, dict(state), dtype=torch.float32, device=DEVICE)
-    draft = LlamaModel.from_hf(config, noisy, dtype=torch.float32, device=DEVICE)
+    draft = LlamaModel.from_hf(config, noisy_state(noise, seed), dtype=torch.float32, device=DEVICE)
     return target, draft
 
 
-def tiny_engine(policy: str | SpeculationPolicy = "dsde", batch: int = 4, max_seq_len: int = 256,
-                noise: float = 0.03, eos: tuple[int, ...] = (), with_draft: bool = True, **cfg) -> Engine:
+def noisy_state(noise: float, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The tiny target's weights with Gaussian noise on every weight: the draft's."""
+    _, state = tiny_state(seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    return {k: v + noise * v.std() * torch.randn(v.shape, generator=gen) if v.numel() > 1 else v.clone()
+            for k, v in state.items()}
+
+
+@lru_cache(maxsize=8)
+def tiny_gguf_pair(noise: float = 0.03, seed: int = 0) -> tuple[Path, Path]:
+    """(target, draft) of tiny_pair as F32 GGUF files, for the llama.cpp backend (written once per process)."""
+    from tests.tiny_gguf import write_qwen2_gguf
+
+    config, state = tiny_state(seed)
+    out = Path(tempfile.mkdtemp(prefix="dsde-tiny-gguf-"))
+    tokens = [chr(ord("a") + i % 26) * (1 + i // 26) for i in range(VOCAB)]  # any distinct names; one merge
+    return (write_qwen2_gguf(out / "target.gguf", config, state, tokens, merges=["a a"]),
+            write_qwen2_gguf(out / "draft.gguf", config, noisy_state(noise, seed), tokens, merges=["a a"]))
+
+
+def tiny_runners(batch: int, max_seq_len: int, noise: float = 0.03, backend: str = "torch") -> tuple[Runner, Runner]:
+    """(target, draft) runners of the tiny pair on one backend: "torch" (fp32) or "llama.cpp" (F32 GGUF, one thread:
+    the tiny forwards are too small to share)."""
+    if backend == "llama.cpp":
+        from dsde_core.models.llama_cpp import LlamaCppRunner
+
+        return tuple(LlamaCppRunner(p, batch, max_seq_len, threads=1) for p in tiny_gguf_pair(noise))
     target, draft = tiny_pair(noise)
-    config = EngineConfig(max_batch_size=batch, max_seq_len=max_seq_len, dtype="float32", device=DEVICE, **cfg)
-    draft_worker = DraftWorker.from_config(ModelRunner(draft, batch, max_seq_len), config) if with_draft else None
+    return ModelRunner(target, batch, max_seq_len), ModelRunner(draft, batch, max_seq_len)
+
+
+def tiny_engine(policy: str | SpeculationPolicy = "dsde", batch: int = 4, max_seq_len: int = 256,
+                noise: float = 0.03, eos: tuple[int, ...] = (), with_draft: bool = True, backend: str = "torch",
+                **cfg) -> Engine:
+    target, draft = tiny_runners(batch, max_seq_len, noise, backend)
+    config = EngineConfig(max_batch_size=batch, max_seq_len=max_seq_len, dtype="float32", device=DEVICE,
+                          backend=backend, **cfg)
+    draft_worker = DraftWorker.from_config(draft, config) if with_draft else None
     pol = make_policy(policy) if isinstance(policy, str) else policy
-    return Engine(TargetWorker(ModelRunner(target, batch, max_seq_len)), draft_worker, pol, IdTokenizer(),
-                  config, eos_ids=eos, vocab_size=VOCAB)
+    return Engine(TargetWorker(target), draft_worker, pol, IdTokenizer(), config, eos_ids=eos, vocab_size=VOCAB)
 
 
 def random_prompts(n: int, seed: int = 0, min_len: int = 2, max_len: int = 40) -> list[list[int]]:

@@ -5,6 +5,9 @@
 - A .gguf file: converted once through transformers into $XDG_CACHE_HOME/dsde/models/gguf/<stem>-<key>/, the key
   being a hash of the file's absolute path, size and mtime (a changed file is converted again).
 - A directory: read with transformers (never with remote code).
+
+With backend="llama.cpp" (models/backends.py) an embedded name or a .gguf file is not converted: the GGUF is run as
+it is by llama.cpp, and only its tokenizer and config are read (from the GGUF's metadata, by transformers).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from dsde_core.models.packaged import EMBEDDED, ensure_embedded, ensure_gguf_fil
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+    from dsde_core.models.runner import Runner
+
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 
@@ -32,18 +37,43 @@ _GGUF_ARCHS = ("llama", "qwen2", "mistral")
 
 @dataclass
 class LoadedModel:
-    model: LlamaModel
+    model: LlamaModel | None  # the torch weights; None on the llama.cpp backend (the GGUF file holds them)
     tokenizer: PreTrainedTokenizerBase
     hf_config: PretrainedConfig
     name: str  # the embedded name, or the path as given
-    path: str = ""  # the Hugging Face directory the weights were read from
+    path: str = ""  # the Hugging Face directory the weights were read from, or the GGUF file llama.cpp runs
+    backend: str = "torch"  # "torch" or "llama.cpp" (models/backends.py)
+
+    @property
+    def vocab_size(self) -> int:
+        """The width of the model's logits."""
+        return self.model.args.vocab_size if self.model is not None else int(self.hf_config.vocab_size)
+
+    def make_runner(self, num_slots: int, max_seq_len: int, threads: int | None = None) -> Runner:
+        """The runner of this model over num_slots KV slots of max_seq_len positions each. threads: llama.cpp's
+        (default: every core this process may use; torch's are set process-wide by the caller)."""
+        if self.backend == "llama.cpp":
+            from dsde_core.models.llama_cpp import LlamaCppRunner
+
+            return LlamaCppRunner(self.path, num_slots, max_seq_len, threads=threads)
+        from dsde_core.models.runner import ModelRunner
+
+        assert self.model is not None
+        return ModelRunner(self.model, num_slots, max_seq_len)
 
 
 def load_model(
-    source: str, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", quantize: str | None = None
+    source: str, dtype: torch.dtype = torch.bfloat16, device: str = "cpu", quantize: str | None = None,
+    backend: str = "torch",
 ) -> LoadedModel:
     """Load an embedded model by name, a local HF model directory or a local .gguf file.
-    quantize="int8": weight-only int8 (models/quant.py) — for a draft model only."""
+    quantize="int8": weight-only int8 (models/quant.py) — for a torch draft model only. backend: "torch" or
+    "llama.cpp" (resolved: models/backends.py); llama.cpp takes the GGUF as it is, whatever dtype and quantize say."""
+    if backend == "llama.cpp":
+        from dsde_core.models.llama_cpp import gguf_info
+
+        info = gguf_info(source)
+        return LoadedModel(None, info.tokenizer, info.hf_config, info.name, info.path, backend="llama.cpp")
     if dtype not in (torch.bfloat16, torch.float32, torch.float16):
         raise ModelLoadError(f"dtype {dtype} is not supported; use torch.bfloat16 or torch.float32")
     check_device(device)
@@ -135,7 +165,7 @@ def load_hf_dir(
 
 def check_compatible(draft: LoadedModel, target: LoadedModel) -> None:
     """VocabularyMismatchError unless draft and target have the same logits width and the same tokens."""
-    dv, tv = draft.model.args.vocab_size, target.model.args.vocab_size
+    dv, tv = draft.vocab_size, target.vocab_size
     if dv != tv:
         raise VocabularyMismatchError(
             f"draft {draft.name} has vocab size {dv}, target {target.name} has {tv}: "

@@ -1,6 +1,9 @@
-"""ModelRunner: one batched forward over ragged per-sequence query lengths, on a slot-based KV cache."""
+"""The runner seam (Runner) and its torch backend, ModelRunner: one batched forward over ragged per-sequence query
+lengths, on a slot-based KV cache. llama_cpp.LlamaCppRunner is the other backend behind the same seam."""
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
@@ -9,6 +12,26 @@ from dsde_core.models.kv_cache import KVCache
 from dsde_core.models.llama import AttnGroup, Batch, LlamaModel
 
 ALONE_Q = 64  # query tokens past which a sequence attends alone (_prepare)
+
+
+class Runner(Protocol):
+    """What the workers ask of a model: a batched forward over slots, and each slot's cached length.
+
+    forward(slots, tokens, num_logits): tokens[i] are appended to slot slots[i] at positions length(slots[i]).. and
+    the float32 logits of each sequence's last num_logits[i] positions come back packed, [sum(num_logits), vocab].
+    With hidden=True it returns what `head` turns into those logits (final hidden states on torch, so that many rows'
+    logits can be made a few at a time; the logits themselves on llama.cpp). set_length(slot, n) rolls a slot back to
+    its first n positions (a rejected draft); reset(slot) empties it."""
+
+    vocab_size: int
+    device: torch.device
+
+    def length(self, slot: int) -> int: ...
+    def set_length(self, slot: int, n: int) -> None: ...
+    def reset(self, slot: int) -> None: ...
+    def forward(self, slots: list[int], tokens: list[list[int]], num_logits: list[int],
+                hidden: bool = False) -> torch.Tensor: ...
+    def head(self, h: torch.Tensor) -> torch.Tensor: ...
 
 
 class ModelRunner:
