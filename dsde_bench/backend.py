@@ -11,6 +11,7 @@ import platform
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -84,30 +85,45 @@ def _cpu_model() -> str:
 
 def load_backend(draft: str = DEFAULT_DRAFT, target: str = DEFAULT_TARGET, dtype: str = "bfloat16",
                  max_batch: int = 4, max_seq_len: int = 2048, max_sl: int = 20,
-                 num_threads: int | None = None, draft_noise: float = 0.0, draft_window: int | None = None) -> Backend:
+                 num_threads: int | None = None, draft_noise: float = 0.0, draft_window: int | None = None,
+                 backend: str = "auto", draft_backend: str | None = None) -> Backend:
     """The real pair through dsde_core's loader (embedded name, HF directory or GGUF file). draft_noise: Gaussian
     noise on the draft's logits (a deliberately weak draft; the transformers anchor does not see it). draft_window:
-    EngineConfig.draft_window (None: off, the default engine; the anchor does not see it either)."""
+    EngineConfig.draft_window (None: off, the default engine; the anchor does not see it either). backend,
+    draft_backend: each model's runner (EngineConfig's); the anchor runs transformers on the torch conversion."""
     from dsde_core.llm import SpeculativeLLM
 
     config = EngineConfig(max_batch_size=max_batch, max_seq_len=max_seq_len, max_sl=max_sl, dtype=dtype,
-                          num_threads=num_threads, draft_logit_noise=draft_noise, draft_window=draft_window)
+                          num_threads=num_threads, draft_logit_noise=draft_noise, draft_window=draft_window,
+                          backend=backend, draft_backend=draft_backend)
     llm = SpeculativeLLM.load(draft=draft, target=target, config=config, policy="off")
 
     def hf_pair() -> tuple[Any, Any]:
         from transformers import AutoModelForCausalLM
 
-        tgt = AutoModelForCausalLM.from_pretrained(llm.target.path, dtype=config.torch_dtype).eval()
-        drf = AutoModelForCausalLM.from_pretrained(llm.draft.path, dtype=config.torch_dtype).eval()
+        tgt = AutoModelForCausalLM.from_pretrained(hf_dir(llm.target), dtype=config.torch_dtype).eval()
+        drf = AutoModelForCausalLM.from_pretrained(hf_dir(llm.draft), dtype=config.torch_dtype).eval()
         return tgt, drf
 
-    desc = {"draft": draft, "target": target, "dtype": dtype, "max_sl": max_sl, "max_seq_len": max_seq_len}
+    desc = {"draft": draft, "target": target, "dtype": dtype, "max_sl": max_sl, "max_seq_len": max_seq_len,
+            "backend": llm.target.backend, "draft_backend": llm.draft.backend if llm.draft else None}
     if draft_noise:
         desc["draft_noise"] = draft_noise
     if draft_window is not None:
         desc["draft_window"] = draft_window
     return Backend(llm.engine, lambda text: llm.encode(text, chat=True), desc, hf_pair,
                    pad_token_id=llm.tokenizer.eos_token_id)
+
+
+def hf_dir(loaded: Any) -> str:
+    """The Hugging Face directory of a loaded model, for transformers: its own, or on llama.cpp the GGUF's one-off
+    conversion (dsde_core.models.packaged)."""
+    if loaded.backend != "llama.cpp":
+        return loaded.path
+    from dsde_core.models.packaged import EMBEDDED, ensure_embedded, ensure_gguf_file
+
+    name = loaded.name
+    return str(ensure_embedded(EMBEDDED[name]) if name in EMBEDDED else ensure_gguf_file(Path(loaded.path)))
 
 
 # ---- the tiny random pair ------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from dsde_bench.probe import PROBE_FORWARDS
 from dsde_bench.rounds import ROUND_ORDERS
 from dsde_bench.serve_client import ENDPOINTS
 from dsde_bench.workloads import DEFAULT_MAX_CHARS, load_workload, parse_workloads
+from dsde_cli.flags import add_backend_flags
 from dsde_core.errors import ConfigError, DSDEError
 
 RESULTS, PAGE = "results", "BENCHMARKS.md"  # the published results folder and the page made from it
@@ -115,7 +116,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the models' dtype (default bfloat16; --tiny: float32, the only one its pair runs)")
     m.add_argument("--max-sl", type=int, default=20, help="engine ceiling on the speculation length (default 20)")
     m.add_argument("--max-seq-len", type=int, default=2048)
-    m.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    m.add_argument("--threads", type=int, default=None,
+                   help="torch and llama.cpp threads (default: torch's, every core)")
+    add_backend_flags(m)
     m.add_argument("--draft-noise", type=float, default=0.0,
                    help="std of Gaussian noise on the draft's logits: a deliberately weak draft (default 0)")
     m.add_argument("--draft-window", type=int, default=None, metavar="N",
@@ -183,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"{flag} sets up a real model; --tiny runs the tiny random pair without it")
         if args.tiny and args.dtype not in (None, "float32"):
             raise ConfigError(f"--dtype {args.dtype}: --tiny runs the tiny random pair in float32 only")
+        if args.tiny and "llama.cpp" in (args.backend, args.draft_backend):
+            raise ConfigError("--backend llama.cpp: --tiny runs the tiny random pair on torch only")
         args.dtype = args.dtype or ("float32" if args.tiny else "bfloat16")
         if args.draft_window is not None:
             from dsde_core.config import EngineConfig
@@ -201,7 +206,8 @@ def run(args: argparse.Namespace) -> int:
 # The flags that not every mode reads, and the modes that do: given to another mode, one would be silently ignored.
 # The rest (--workloads, --num-prompts, --max-tokens, --seed, --max-chars and the output's) every mode reads.
 _GRID, _SIM, _URL = "the in-process grid", "--simulate", "--url"
-_MODELS = ("--draft", "--target", "--dtype", "--max-sl", "--max-seq-len", "--threads", "--draft-noise", "--tiny")
+_MODELS = ("--draft", "--target", "--dtype", "--max-sl", "--max-seq-len", "--threads", "--draft-noise", "--tiny",
+           "--backend", "--draft-backend")
 _READ_BY: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("--policies", "--batch-sizes", "--anchor", "--no-anchor", "--ignore-eos", "--length-spread",
                      "--repeats", "--round-order", "--probe-forwards", "--draft-window"), (_GRID,)),
@@ -327,7 +333,8 @@ def backend(args: argparse.Namespace, max_batch: int) -> Any:
     kw = {k: v for k, v in (("draft", args.draft), ("target", args.target)) if v}
     print(f"loading models ({args.dtype}) ...", file=sys.stderr)
     return load_backend(dtype=args.dtype, max_batch=max_batch, max_seq_len=args.max_seq_len, max_sl=args.max_sl,
-                        num_threads=args.threads, draft_noise=args.draft_noise, draft_window=args.draft_window, **kw)
+                        num_threads=args.threads, draft_noise=args.draft_noise, draft_window=args.draft_window,
+                        backend=args.backend, draft_backend=args.draft_backend, **kw)
 
 
 def grid_config(args: argparse.Namespace) -> Any:
@@ -372,7 +379,8 @@ def _simulate(args: argparse.Namespace) -> int:
     from dsde_bench.sim.simulator import DEFAULT_SIM_POLICIES
 
     desc = {"draft": "tiny" if args.tiny else (args.draft or "qwen2.5-coder-0.5b-instruct"),
-            "target": "tiny" if args.tiny else (args.target or "qwen2.5-coder-1.5b-instruct"), "dtype": args.dtype}
+            "target": "tiny" if args.tiny else (args.target or "qwen2.5-coder-1.5b-instruct"), "dtype": args.dtype,
+            "backend": args.backend, "draft_backend": args.draft_backend}
     cfg = session.SimulateConfig(
         workloads=tuple(parse_workloads(args.workloads or ("all" if args.full else SMALL_WORKLOADS))),
         num_prompts=args.num_prompts or (16 if args.full else 4),

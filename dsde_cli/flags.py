@@ -7,7 +7,7 @@ import argparse
 from dsde_core.models.backends import BACKENDS
 
 
-def add_backend_flags(parser: argparse.ArgumentParser) -> None:
+def add_backend_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """--backend and --draft-backend: which runner runs each model (dsde_core.models.backends)."""
     parser.add_argument("--backend", default="auto", choices=BACKENDS,
                         help="the models' runner: llama.cpp (a GGUF model on the CPU, run as it is), torch, or auto "

@@ -16,8 +16,8 @@ import torch
 
 from dsde_core.config import DTYPES, EngineConfig, SamplingParams
 from dsde_core.llm import eos_token_ids
+from dsde_core.models.backends import resolve_backend
 from dsde_core.models.loader import LoadedModel, load_model
-from dsde_core.models.runner import ModelRunner
 from dsde_core.policies.stopping import DraftStop
 from dsde_core.workers import DraftTask, DraftWorker, Proposal, TargetWorker, Verdict, VerifyTask
 from services import transport
@@ -34,6 +34,7 @@ class ModelInfo:
     device: str
     dtype: str
     num_threads: int
+    backend: str = "torch"  # the runner: torch or llama.cpp
 
 
 def resolve_device(device: str) -> str:
@@ -45,19 +46,22 @@ def resolve_device(device: str) -> str:
 
 class _ModelHost:
     def __init__(self, source: str, dtype: str, device: str, max_batch_size: int, max_seq_len: int,
-                 num_threads: int | None = None, quant: str | None = None) -> None:
+                 num_threads: int | None = None, quant: str | None = None, backend: str = "auto") -> None:
         threads = num_threads or os.cpu_count() or 1
-        torch.set_num_threads(threads)  # Ray sets OMP_NUM_THREADS from num_cpus; the config decides here
         self.device = resolve_device(device)
         self.dtype = dtype
+        self.backend = resolve_backend(backend, source, self.device, dtype)  # as SpeculativeLLM.load resolves it
+        # Ray sets OMP_NUM_THREADS from num_cpus; the config decides here. On llama.cpp torch only samples: one thread,
+        # whose idle OpenMP pool would otherwise spin beside llama.cpp's threads
+        torch.set_num_threads(1 if self.backend == "llama.cpp" else threads)
         # the same resolution of "auto" as the in-process engine (SpeculativeLLM.load), on this actor's device
         quantize = EngineConfig(dtype=dtype, device=self.device, draft_quant=quant).draft_quantize if quant else None
-        self.loaded: LoadedModel = load_model(source, DTYPES[dtype], self.device, quantize=quantize)
-        self.runner = ModelRunner(self.loaded.model, max_batch_size, max_seq_len)
+        self.loaded: LoadedModel = load_model(source, DTYPES[dtype], self.device, quantize, self.backend)
+        self.runner = self.loaded.make_runner(max_batch_size, max_seq_len, threads)
 
     def describe(self) -> ModelInfo:
         return ModelInfo(self.loaded.name, self.runner.vocab_size, eos_token_ids(self.loaded), self.loaded.tokenizer,
-                         self.device, self.dtype, torch.get_num_threads())
+                         self.device, self.dtype, torch.get_num_threads(), self.backend)
 
     def ping(self) -> bool:
         return True
@@ -66,8 +70,8 @@ class _ModelHost:
 class DraftHost(_ModelHost):
     def __init__(self, source: str, dtype: str, device: str, max_batch_size: int, max_seq_len: int,
                  num_threads: int | None = None, top_k: int = 64, quant: str = "auto",
-                 window: int | None = None) -> None:
-        super().__init__(source, dtype, device, max_batch_size, max_seq_len, num_threads, quant)
+                 window: int | None = None, backend: str = "auto") -> None:
+        super().__init__(source, dtype, device, max_batch_size, max_seq_len, num_threads, quant, backend)
         self.worker = DraftWorker(self.runner, top_k, window=window)  # as the engine's config, which prices it
         transport.register()  # proposals leave this process packed (services/transport.py)
 
@@ -86,8 +90,8 @@ class DraftHost(_ModelHost):
 
 class TargetHost(_ModelHost):
     def __init__(self, source: str, dtype: str, device: str, max_batch_size: int, max_seq_len: int,
-                 num_threads: int | None = None) -> None:
-        super().__init__(source, dtype, device, max_batch_size, max_seq_len, num_threads)
+                 num_threads: int | None = None, backend: str = "auto") -> None:
+        super().__init__(source, dtype, device, max_batch_size, max_seq_len, num_threads, backend=backend)
         self.worker = TargetWorker(self.runner)
 
     def open(self, slot: int, params: SamplingParams, prompt_len: int = 0, emitted: int = 0) -> None:

@@ -72,6 +72,8 @@ class ServiceConfig:
     model_name: str | None = None  # the `model` clients send; default: the target's name
     dtype: str = "bfloat16"
     device: str = "auto"  # auto: cuda when the actor was given a GPU, else cpu
+    backend: str = "auto"  # the models' runner: torch, llama.cpp, or auto (dsde_core.models.backends)
+    draft_backend: str | None = None  # the draft's, where it differs from backend
     max_batch_size: int = 8
     max_seq_len: int = 2048
     max_sl: int = 20
@@ -80,7 +82,7 @@ class ServiceConfig:
     draft_window: int | None = None  # the draft takes in only a prompt's last N tokens (EngineConfig); None: off
     prefill_chunk: int | None = 4096  # the most prompt tokens each model's prefills take in a step; None: no limit
     policy: str = DEFAULT_POLICY  # the initial policy; a user_config replaces it live
-    num_threads: int | None = None  # torch threads in each model actor; None: the machine's cores
+    num_threads: int | None = None  # torch and llama.cpp threads in each model actor; None: the machine's cores
     draft_num_cpus: float = 1.0
     draft_num_gpus: float = 0.0
     target_num_cpus: float = 1.0
@@ -223,7 +225,7 @@ class ServiceConfig:
                             draft_top_k=self.draft_top_k, dtype=self.dtype, draft_quant=self.draft_quant,
                             draft_window=self.draft_window, prefill_chunk=self.prefill_chunk,
                             device="cpu" if self.device == "auto" else self.device, num_threads=self.num_threads,
-                            worker_wait_s=self.worker_wait_s)
+                            backend=self.backend, draft_backend=self.draft_backend, worker_wait_s=self.worker_wait_s)
 
     @property
     def torch_dtype(self) -> Any:

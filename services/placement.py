@@ -129,11 +129,13 @@ def start_actors(cfg: ServiceConfig, policy: PolicyConfig,
     target = draft = controller = None
     try:
         target = ray.remote(target_host).options(
-            **_options(cfg, "target", names["target"], group, bundles, env)).remote(cfg.target, **common)
+            **_options(cfg, "target", names["target"], group, bundles, env)).remote(
+            cfg.target, backend=cfg.backend, **common)
         if cfg.draft is not None:
             draft = ray.remote(draft_host).options(
                 **_options(cfg, "draft", names["draft"], group, bundles, env)).remote(
-                cfg.draft, top_k=cfg.draft_top_k, quant=cfg.draft_quant, window=cfg.draft_window, **common)
+                cfg.draft, top_k=cfg.draft_top_k, quant=cfg.draft_quant, window=cfg.draft_window,
+                backend=cfg.draft_backend or cfg.backend, **common)
         else:
             del names["draft"]
         controller = ray.remote(Controller).options(

@@ -725,7 +725,8 @@ def test_every_dsde_serve_flag_reaches_the_service_or_its_cluster() -> None:
         "--request-timeout": ("9", "cfg", "request_timeout_s", 9.0), "--host": ("0.0.0.0", "local", "host", "0.0.0.0"),
         "--port": ("9000", "local", "port", 9000), "--metrics-port": ("0", "local", "metrics_port", None),
         "--prometheus-sd": ("none", "local", "prometheus_sd", None), "--num-cpus": ("3", "local", "num_cpus", 3),
-        "--worker-niceness": ("5", "local", "worker_niceness", 5),
+        "--worker-niceness": ("5", "local", "worker_niceness", 5), "--backend": ("torch", "cfg", "backend", "torch"),
+        "--draft-backend": ("llama.cpp", "cfg", "draft_backend", "llama.cpp"),
     }
     flags = help_flags(parser(), "serve")
     assert flags == set(given), flags ^ set(given)
