@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,6 +115,59 @@ def cpu_has_amx() -> bool:
         return False
 
 
+class _BuftOverride(ctypes.Structure):
+    """llama_model_tensor_buft_override: tensors whose name matches `pattern` are placed in buffer type `buft`."""
+
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+def _repack_q4k(path: Path) -> ctypes.Array | None:
+    """Overrides that put every 2-D Q4_K weight but the embeddings into llama.cpp's CPU_REPACK buffer type (its
+    interleaved blocks, multiplied by GEMM kernels that read a weight block once for several tokens), one exact-name
+    pattern a tensor (libstdc++'s regex recurses per alternative: one long pattern overflows its stack). None where
+    this build has no CPU_REPACK buffer type."""
+    from gguf import GGUFReader
+
+    buft = _cpu_repack_buft()
+    if buft is None:
+        return None
+    names = [t.name for t in GGUFReader(path).tensors
+             if t.tensor_type.name == "Q4_K" and len(t.shape) == 2 and t.name != "token_embd.weight"]
+    return (_BuftOverride * (len(names) + 1))(*[_BuftOverride(f"^{re.escape(n)}$".encode(), buft) for n in names],
+                                              _BuftOverride(None, None))
+
+
+def _cpu_repack_buft() -> int | None:
+    """The CPU device's CPU_REPACK buffer type, through ggml's backend registry (libggml in llama-cpp-python's lib/)."""
+    import llama_cpp
+
+    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    try:
+        ggml = ctypes.CDLL(str(lib_dir / "libggml.so"))
+        base = ctypes.CDLL(str(lib_dir / "libggml-base.so"))
+    except OSError:
+        return None
+    ggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+    base.ggml_backend_dev_backend_reg.restype = ctypes.c_void_p
+    base.ggml_backend_dev_backend_reg.argtypes = [ctypes.c_void_p]
+    base.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
+    base.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    base.ggml_backend_buft_name.restype = ctypes.c_char_p
+    base.ggml_backend_buft_name.argtypes = [ctypes.c_void_p]
+    dev = ggml.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
+    fn = dev and base.ggml_backend_reg_get_proc_address(base.ggml_backend_dev_backend_reg(dev),
+                                                       b"ggml_backend_dev_get_extra_bufts")
+    if not fn:
+        return None
+    bufts = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(fn)(dev)  # NULL-terminated
+    i = 0
+    while bufts[i]:
+        if base.ggml_backend_buft_name(bufts[i]) == b"CPU_REPACK":
+            return bufts[i]
+        i += 1
+    return None
+
+
 @dataclass
 class SeqLengths:
     """Each slot's cached length and the cap on it (KVCache's bookkeeping without the tensors: llama.cpp holds the
@@ -152,8 +206,9 @@ class LlamaCppRunner:
         compute buffers grow with it). threads: default
         every core this process may run on. kv_type: "f16" (llama.cpp's default), "bf16" or "f32". flash_attn: None
         lets llama.cpp choose (on the CPU: on; it computes attention with f16 keys and values). extra_buffers:
-        llama.cpp's weight layouts for its special CPU kernels (AMX tiles, repacked blocks); None: on unless the CPU
-        has AMX, whose matmul segfaults on the first decode of these Q4_K_M files (llama.cpp issue 20824)."""
+        llama.cpp's weight layouts for its special CPU kernels (AMX tiles, repacked blocks); None: on, unless the CPU
+        has AMX, whose matmul segfaults on the first decode of these Q4_K_M files (llama.cpp issue 20824): there the
+        Q4_K matmul weights alone go to the repacked layout (_repack_q4k), which multi-token forwards gain most from."""
         if not 1 <= num_slots <= MAX_SEQUENCES:
             raise ConfigError(f"num_slots must be in [1, {MAX_SEQUENCES}] (llama.cpp's sequences), got {num_slots}")
         if min(max_seq_len, n_batch, n_ubatch, max_outputs) < 1:
@@ -178,7 +233,11 @@ class LlamaCppRunner:
 
         mp = lib.llama_model_default_params()
         mp.n_gpu_layers = n_gpu_layers
-        mp.use_extra_bufts = not cpu_has_amx() if extra_buffers is None else extra_buffers
+        amx = cpu_has_amx()
+        mp.use_extra_bufts = not amx if extra_buffers is None else extra_buffers
+        self._overrides = _repack_q4k(path) if extra_buffers is None and amx else None  # kept alive with the model
+        if self._overrides is not None:
+            mp.tensor_buft_overrides = ctypes.cast(self._overrides, ctypes.c_void_p)
         self._model = lib.llama_model_load_from_file(str(path).encode(), mp)
         if not self._model:
             raise ModelLoadError(f"llama.cpp could not load {path}: {_LOG.take() or 'no reason given'}")
