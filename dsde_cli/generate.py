@@ -17,14 +17,14 @@ from dsde_core.errors import ConfigError
 from dsde_core.llm import GenerationResult, SpeculativeLLM
 from dsde_core.models.loader import DEFAULT_DRAFT, DEFAULT_TARGET
 from dsde_core.models.packaged import EMBEDDED, ensure_embedded
-from dsde_core.policies import POLICY_NAMES, make_policy
+from dsde_core.policies import DEFAULT_POLICY, POLICY_NAMES, make_policy
 
 
 def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
     """Add `generate` and `prepare` to an argparse subparsers object; returns their handlers by name."""
     g = sub.add_parser("generate", help="generate text for one prompt and print speculation stats")
     g.add_argument("prompt")
-    g.add_argument("--policy", default="dsde",
+    g.add_argument("--policy", default=DEFAULT_POLICY,
                    help=f"speculation-length policy: {', '.join(POLICY_NAMES)} (static:K for a fixed K, "
                         "dsde:MAX for DSDE with SL_max bounded by MAX)")
     g.add_argument("--max-tokens", type=int, default=128)

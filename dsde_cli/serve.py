@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from dsde_cli.flags import add_backend_flags
 from dsde_core.models.loader import DEFAULT_DRAFT, DEFAULT_TARGET
-from dsde_core.policies import POLICY_NAMES
+from dsde_core.policies import DEFAULT_POLICY, POLICY_NAMES
 
 if TYPE_CHECKING:
     from services.launch import LocalServe
@@ -31,7 +31,8 @@ def _add_serve(sub: Any) -> None:
                                                           "'none' for target-only serving")
     s.add_argument("--target", default=DEFAULT_TARGET, help="embedded name, HF model directory or .gguf file")
     s.add_argument("--model-name", default=None, help="the model name clients send (default: the target's)")
-    s.add_argument("--policy", default="dsde", help=f"initial policy: {', '.join(POLICY_NAMES)} (static:K, dsde:MAX)")
+    s.add_argument("--policy", default=DEFAULT_POLICY,
+                   help=f"initial policy: {', '.join(POLICY_NAMES)} (static:K, dsde:MAX; default {DEFAULT_POLICY})")
     s.add_argument("--dtype", default="bfloat16", help="bfloat16 (fast) or float32")
     s.add_argument("--device", default="auto", help="auto (cuda when an actor has a GPU), cpu or cuda[:N]")
     s.add_argument("--max-batch-size", type=int, default=8, help="KV slots: sequences decoded together")

@@ -17,7 +17,7 @@ from dsde_core.config import EngineConfig, SamplingParams, SpeculationParams
 from dsde_core.engine import Engine
 from dsde_core.models.backends import resolve_backend
 from dsde_core.models.loader import DEFAULT_DRAFT, DEFAULT_TARGET, LoadedModel, check_compatible, load_model
-from dsde_core.policies import SpeculationPolicy, make_policy
+from dsde_core.policies import DEFAULT_POLICY, SpeculationPolicy, make_policy
 from dsde_core.request import RequestStats
 from dsde_core.sampling import TokenLogprob
 from dsde_core.workers import DraftWorker, TargetWorker
@@ -60,7 +60,7 @@ class SpeculativeLLM:
     """A target model, optionally a draft model, and the engine that runs them together in-process."""
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | None, config: EngineConfig,
-                 policy: str | SpeculationPolicy = "dsde") -> None:
+                 policy: str | SpeculationPolicy = DEFAULT_POLICY) -> None:
         if all(m.backend == "llama.cpp" for m in (target, draft) if m is not None):
             # torch only samples here (small ops): its idle OpenMP threads would spin beside llama.cpp's on the cores
             torch.set_num_threads(1)
@@ -79,7 +79,8 @@ class SpeculativeLLM:
 
     @classmethod
     def load(cls, draft: str | None = DEFAULT_DRAFT, target: str = DEFAULT_TARGET,
-             config: EngineConfig | None = None, policy: str | SpeculationPolicy = "dsde") -> SpeculativeLLM:
+             config: EngineConfig | None = None, policy: str | SpeculationPolicy = DEFAULT_POLICY
+             ) -> SpeculativeLLM:
         """Load models by embedded name, Hugging Face directory or GGUF file. draft=None: target only."""
         config = config or EngineConfig()
         # the draft first: smaller, so a bad path fails faster

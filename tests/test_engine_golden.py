@@ -27,7 +27,7 @@ from dsde_core.request import Request, RequestOutput
 from dsde_core.sampling import TokenLogprob
 from dsde_core.workers import DraftWorker, TargetWorker
 from tests.test_engine_recovery import Flaky
-from tests.tiny import DEVICE, IdTokenizer, random_prompts, tiny_pair
+from tests.tiny import DEVICE, FakeClock, IdTokenizer, random_prompts, tiny_pair
 
 GOLDEN = Path(__file__).parent / "data" / "engine_golden.json"
 POLICIES = ("off", "static:3", "dsde", "dsde-goodput", "adaedl")
@@ -35,30 +35,6 @@ FAULTS = ("draft-batch-fault", "draft-one-request", "draft-dies", "target-batch-
           "target-dies", "policy-faults", "commit-fault")
 SCENARIOS = ([f"policy:{p}" for p in POLICIES] + [f"chunked:{p}" for p in ("static:3", "dsde-goodput")]
              + ["features"] + [f"fault:{f}" for f in FAULTS])
-
-
-class FakeClock:
-    """time.perf_counter that moves only when a model runs or the engine sleeps."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, s: float) -> None:
-        self.now += s
-
-    def timed(self, runner: ModelRunner, fixed_s: float, per_token_s: float) -> ModelRunner:
-        """The runner, its forward charging fixed_s + per_token_s per query token."""
-        forward = runner.forward
-
-        def run(slots: list[int], tokens: list[list[int]], num_logits: list[int], **kw: Any) -> Any:
-            self.now += fixed_s + per_token_s * sum(len(t) for t in tokens)
-            return forward(slots, tokens, num_logits, **kw)
-
-        runner.forward = run
-        return runner
 
 
 def _engine(clock: FakeClock, policy: str, batch: int = 3, seq: int = 256, eos: tuple[int, ...] = (),

@@ -520,7 +520,7 @@ def test_make_policy_parsing() -> None:
     assert make_policy("acceptance:0.6").config.threshold == 0.6
     assert set(POLICY_NAMES) == {"off", "static", "dsde", "dsde-nocap", "dsde-paper", "dsde-paper-nocap",
                                  "dsde-goodput", "adaedl", "heuristic", "acceptance"}
-    assert make_policy().name == "dsde"
+    assert make_policy().name == "dsde-goodput"  # the default (DEFAULT_POLICY)
 
 
 def test_dsde_max_bound() -> None:

@@ -32,7 +32,8 @@ def _edited(edit: Any) -> dict[str, Any]:
 def test_the_shipped_config_passes_and_says_what_it_serves(capsys: pytest.CaptureFixture[str]) -> None:
     [app] = check_config_file(DEPLOY)
     args = yaml.safe_load(DEPLOY.read_text())["applications"][0]["args"]
-    assert app.config == ServiceConfig.from_args(args) and app.policy is not None and app.policy.policy == "dsde"
+    assert app.config == ServiceConfig.from_args(args)
+    assert app.policy is not None and app.policy.policy == "dsde-goodput"
     assert main(["check-config", str(DEPLOY)]) == 0
     out = capsys.readouterr().out
     assert "application 'dsde' at /: serves 'qwen2.5-coder-1.5b-instruct'" in out and out.endswith(": ok\n")
@@ -52,7 +53,7 @@ def test_the_deployments_user_config_is_the_one_that_applies(tmp_path: Path) -> 
     (lambda a: a["deployments"][0]["user_config"].update(policy="bogus"),
      "application 'dsde': deployments[DSDEServer].user_config: unknown speculation policy 'bogus'"),
     (lambda a: a["deployments"][0]["user_config"].update(params={"nope": 1}),
-     "deployments[DSDEServer].user_config: user_config: policy 'dsde' has no parameter(s) nope"),
+     "deployments[DSDEServer].user_config: user_config: policy 'dsde-goodput' has no parameter(s) nope"),
     (lambda a: a["deployments"][0].update(user_config="dsde"),
      "Serve's schema: applications.0.deployments.0.user_config: Input should be a valid dictionary"),
     (lambda a: a["args"].update(user_config="dsde"), "args.user_config: a mapping (policy, params, cap, max_sl)"),

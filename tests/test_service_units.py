@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from dsde_core.config import SamplingParams
 from dsde_core.errors import ConfigError
-from dsde_core.policies import CappedPolicy, DSDEPolicy, SeqInfo, StaticPolicy
+from dsde_core.policies import CappedPolicy, DSDEPolicy, GoodputPolicy, SeqInfo, StaticPolicy
 from dsde_core.request import RequestOutput, RequestStats
 from dsde_core.sampling import TokenLogprob
 from services.completion_bodies import Reply
@@ -184,7 +184,8 @@ def test_draft_window_reaches_the_engine_config_and_the_draft_host(save_tiny_mod
 
 
 def test_policy_config_builds_policies_with_params_and_cap() -> None:
-    p = build_policy(PolicyConfig())
+    assert isinstance(build_policy(PolicyConfig()), GoodputPolicy)  # the default
+    p = build_policy(PolicyConfig(policy="dsde"))
     assert isinstance(p, CappedPolicy) and isinstance(p.inner, DSDEPolicy)
     assert not isinstance(build_policy(PolicyConfig(policy="dsde", cap=False)), CappedPolicy)
     assert isinstance(build_policy(PolicyConfig(policy="dsde-nocap", cap=True)), CappedPolicy)

@@ -7,6 +7,7 @@ import os
 import tempfile
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -104,3 +105,27 @@ def random_prompts(n: int, seed: int = 0, min_len: int = 2, max_len: int = 40) -
     gen = torch.Generator().manual_seed(seed)
     lens = torch.randint(min_len, max_len + 1, (n,), generator=gen).tolist()
     return [torch.randint(0, VOCAB, (m,), generator=gen).tolist() for m in lens]
+
+
+class FakeClock:
+    """time.perf_counter that moves only when a model runs or the engine sleeps."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.now += s
+
+    def timed(self, runner: Runner, fixed_s: float, per_token_s: float) -> Runner:
+        """The runner, its forward charging fixed_s + per_token_s per query token."""
+        forward = runner.forward
+
+        def run(slots: list[int], tokens: list[list[int]], num_logits: list[int], **kw: Any) -> Any:
+            self.now += fixed_s + per_token_s * sum(len(t) for t in tokens)
+            return forward(slots, tokens, num_logits, **kw)
+
+        runner.forward = run
+        return runner

@@ -31,7 +31,9 @@ from dsde_core.policies.goodput import GoodputConfig, GoodputPolicy
 from dsde_core.policies.heuristic import HeuristicConfig, HeuristicPolicy
 from dsde_core.policies.static import DEFAULT_STATIC_K, OffPolicy, StaticConfig, StaticPolicy
 
-DEFAULT_POLICY = "dsde"
+# the default: cost-aware, so speculation never costs where no draft length pays (docs/policies.md); "dsde" is the
+# paper's method
+DEFAULT_POLICY = "dsde-goodput"
 
 POLICY_NAMES: tuple[str, ...] = (
     "off",
