@@ -1,7 +1,7 @@
-"""LlamaCppRunner: the engine's runner seam (ModelRunner's) over llama.cpp, running a GGUF file as it is.
+"""LlamaCppRunner: the engine's runner seam (models/runner.Runner) over llama.cpp, running a GGUF file as it is.
 
-Why a second backend: on common CPUs llama.cpp's quantized kernels run this project's Q4_K_M files 3-4x faster than
-the torch forward (llama.py) on their bf16 conversion. The workers speak only the seam, which this class keeps:
+Why a second backend: a CPU decode step reads every weight once, and llama.cpp's quantized kernels read a Q4_K_M
+file's ~4.5 bits a weight where the torch forward reads a bf16 conversion's 16. The workers speak only the seam:
 `vocab_size`, `device`, `cache.max_seq_len`, `length(slot)`, `set_length(slot, n)`, `reset(slot)`,
 `forward(slots, tokens, num_logits, hidden)` and `head(h)`. It goes through llama-cpp-python's low-level ctypes
 module (`llama_cpp.llama_cpp`, the C API of llama.h); the high-level `Llama` class holds one sequence only.
@@ -19,6 +19,10 @@ How the seam maps onto llama.cpp:
   rows, takes several decodes, in order. The logits rows come back contiguous in batch order; each decode's are
   copied once into the float32 result.
 - rollback: `llama_memory_seq_rm(mem, slot, n, -1)` drops positions n..; reset drops the whole sequence.
+- numerics: llama.cpp's kernels depend on the batch's shape (a forward of 4+ tokens of one sequence takes other
+  GEMM and attention paths than one token does), so a verified position's logits round differently from the same
+  position decoded alone, as bf16 matmuls do on torch: greedy speculation equals target-only decoding except where
+  the target's two likeliest tokens lie within that rounding (a near-tie).
 - hidden=True: llama.cpp hands out logits, not final hidden states (its embeddings mode outputs every position and
   pools), so forward(hidden=True) returns the same logits and `head` is the identity. The cost is in the prompt
   log-probabilities, the one caller that asks for many rows: P positions hold P x V x 4 bytes in the returned tensor
