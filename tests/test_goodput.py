@@ -270,8 +270,9 @@ def test_a_probe_whose_draft_prefill_is_chunked_goes_on_until_it_drafts() -> Non
 def test_where_nothing_drafts_for_long_the_longest_row_probes_the_pool() -> None:
     """The all-off trap: every row off and every request too short for its cold probe, so nothing would time or
     judge the draft again. Every pool_probe_every plans without a drafting row, the row with the most tokens left
-    drafts once. (A warm row that is off probes on its own within probe_max plans.)"""
-    cfg = GoodputConfig(probe_every=4, probe_max=16, pool_probe_every=24)
+    drafts once. (A warm row that is off probes on its own within probe_max plans.) Here the probes do not back off
+    (probe_backoff 1); the next test backs off."""
+    cfg = GoodputConfig(probe_every=4, probe_max=16, pool_probe_every=24, probe_backoff=1)
     pol = _taught_nothing_is_accepted(cfg)
     seqs = [SeqInfo("short", 0.0, 8, remaining=10, draft_lag=100), SeqInfo("long", 0.0, 8, remaining=14,
                                                                             draft_lag=100)]
@@ -286,6 +287,25 @@ def test_where_nothing_drafts_for_long_the_longest_row_probes_the_pool() -> None
     assert pol.plan(seqs, CPU)[1].stop is None  # (between probes nothing drafts)
     with pytest.raises(ConfigError, match="pool_probe_every"):
         GoodputConfig(pool_probe_every=0)
+
+
+def test_probes_that_pay_a_prefill_and_find_no_gain_wait_ever_longer() -> None:
+    """Each pool probe that the rule does not follow doubles the wait before the next, up to probe_backoff times
+    pool_probe_every: where no draft pays, what the probes cost shrinks instead of staying a prefill every
+    pool_probe_every plans."""
+    cfg = GoodputConfig(probe_every=4, probe_max=16, pool_probe_every=24, probe_backoff=4)
+    pol = _taught_nothing_is_accepted(cfg)
+    seqs = [SeqInfo("short", 0.0, 8, remaining=10, draft_lag=100), SeqInfo("long", 0.0, 8, remaining=14,
+                                                                            draft_lag=100)]
+    ks = []
+    for _ in range(500):
+        plans = pol.plan(seqs, CPU)
+        ks.append([p.k for p in plans])
+        _feed(pol, plans, seqs, lambda k: 0, conf=0.2)
+    probes = [i for i, k in enumerate(ks) if any(k)]
+    assert np.diff(probes).tolist()[:4] == [48, 96, 96, 96]  # 24 x 2, then x 4 = probe_backoff, and no further
+    with pytest.raises(ConfigError, match="probe_backoff"):
+        GoodputConfig(probe_backoff=0)
 
 
 def _with_evidence(costs: StepCosts) -> GoodputPolicy:

@@ -30,6 +30,9 @@ k = its ceiling, p_next = pbar_i and its acceptance model; the draft worker appl
 - A row that is off probes (drafts one step) every probe_every plans, the interval doubling up to probe_max; a cold
   row waits probe_max plans and needs probe_max tokens left. Where no row has drafted for pool_probe_every plans, the
   row with the most tokens left drafts once, so a draft that once looked slow or weak is timed and judged again.
+  A cold probe and the pool probe pay the draft's prefill of the row's whole context: each that the rule does not
+  follow (the row is not chosen at the next plan) doubles both waits, up to probe_backoff times, and any row the rule
+  chooses resets them. Where no draft length pays, the probes so cost ever less instead of a prefill per request.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ class GoodputConfig:
     probe_every: int = 8  # plans a row that went off waits before it probes; the interval doubles while it stays off
     probe_max: int = 64  # the longest interval; a cold row waits this long, and probes only with this many tokens left
     pool_probe_every: int = 256  # plans without any drafting row before the longest row probes (see the module doc)
+    probe_backoff: int = 16  # the most the cold and pool probes' waits grow, doubling after each that finds no gain
     window: int = 30  # DSDE's N: KLD history for WVIR
     delta: float = 0.9  # WVIR's decay
     speedup_rate: float = 0.2  # per decode step, of rho_B (memory ~5 steps)
@@ -93,6 +97,7 @@ class GoodputConfig:
             (1 <= self.probe_every <= self.probe_max, f"need 1 <= probe_every <= probe_max, got "
                                                       f"{self.probe_every}, {self.probe_max}"),
             (self.pool_probe_every >= 1, f"pool_probe_every must be >= 1, got {self.pool_probe_every}"),
+            (self.probe_backoff >= 1, f"probe_backoff must be >= 1, got {self.probe_backoff}"),
             (0.0 < self.speedup_rate <= 1.0, f"speedup_rate must be in (0, 1], got {self.speedup_rate}"),
             (self.speedup_start > 0, f"speedup_start must be > 0, got {self.speedup_start}"),
         ]
@@ -190,6 +195,7 @@ class _State:
     cold: bool = False  # it went off with an empty draft cache (so it probes every probe_max plans)
     probing: bool = False
     warming: bool = False  # a probe began with a cold draft cache and has not drafted yet (its prefill is chunked)
+    paid_probe: bool = False  # the last plan began a probe that pays the draft's prefill (a cold or the pool probe)
     last_k: int = 0
     steps: int = 0  # steps that drafted
 
@@ -231,6 +237,7 @@ class GoodputPolicy(SpeculationPolicy):
         self._speedup = SpeedupByBatch(cfg.speedup_rate, cfg.speedup_start)
         self._open = False  # the batch is being refilled (see the module doc)
         self._left = 0  # requests released since the last plan
+        self._backoff = 1  # the cold and pool probes' waits are this many times theirs (see the module doc)
 
     # ---- the policy interface ----------------------------------------------------------------------------
     def plan(self, seqs: Sequence[SeqInfo], costs: StepCosts | None = None, waiting: int = 0) -> list[Plan]:
@@ -273,9 +280,14 @@ class GoodputPolicy(SpeculationPolicy):
             chosen = set(rows)
         plans = []
         for i, (st, k) in enumerate(zip(states, ks, strict=True)):
+            if st.paid_probe and not st.warming:  # a probe that paid a prefill has drafted: judged now
+                if i not in chosen:  # it found no gain: the next ones wait longer
+                    self._backoff = min(2 * self._backoff, cfg.probe_backoff)
+                st.paid_probe = False
             st.probing = False
             if i in chosen:
                 st.on, st.probe_every = True, cfg.probe_every
+                self._backoff = 1
             elif k > 0:
                 cold = seqs[i].draft_lag > 0  # the draft cache is empty (never drafted, or the draft restarted)
                 if st.on:  # a cold sequence probes only every probe_max plans: its first draft step also prefills
@@ -287,11 +299,13 @@ class GoodputPolicy(SpeculationPolicy):
                 # probes fall on plan numbers divisible by the interval, so that the batch's probes share forwards; a
                 # cold sequence probes only with at least probe_max tokens left to recoup its prefill. A probe whose
                 # draft prefill is fed in chunks proposed nothing yet: it goes on (observe ends it once it drafts)
+                every = st.probe_every * (self._backoff if cold else 1)
                 st.probing = st.warming or (
-                    self._plans - st.off_since >= st.probe_every and self._plans % st.probe_every == 0
+                    self._plans - st.off_since >= every and self._plans % every == 0
                     and (not cold or seqs[i].remaining is None or seqs[i].remaining >= cfg.probe_max))
                 if st.probing and not st.warming:  # a new probe (one that prefills a cold cache too) doubles it
                     st.start_probe(self._plans, cold)
+                    st.paid_probe = cold
                     st.probe_every = min(2 * st.probe_every, cfg.probe_max)
                 elif not st.probing:
                     k = 0
@@ -299,13 +313,14 @@ class GoodputPolicy(SpeculationPolicy):
             plans.append(self._drafting(st, k, stop, worth[i]) if k > 0 else Plan(0))
         if any(p.k > 0 for p in plans):
             self._drafted_at = self._plans
-        elif rows and self._plans - self._drafted_at >= cfg.pool_probe_every:
+        elif rows and self._plans - self._drafted_at >= cfg.pool_probe_every * self._backoff:
             # the pool probe: no row has drafted for pool_probe_every plans (every row off, and cold: a warm row that
             # is off probes within probe_max plans; too short for its own probe), so the row with the most tokens
             # left drafts once, and the draft is timed and judged afresh
             i = max(rows, key=lambda j: (math.inf if seqs[j].remaining is None else seqs[j].remaining, -j))
             st = states[i]
             st.start_probe(self._plans, seqs[i].draft_lag > 0)
+            st.paid_probe = seqs[i].draft_lag > 0
             st.last_k = ks[i]
             plans[i] = self._drafting(st, ks[i], stop, worth[i])
             self._drafted_at = self._plans
