@@ -271,3 +271,27 @@ def test_real_draft_agrees_with_torch(draft_gguf: Path) -> None:
     run = LlamaCppRunner(draft_gguf, 1, 64, threads=2)
     assert int(run.forward([0], [prompt], [1])[0].argmax()) == want
     run.close()
+
+
+def test_a_prompt_prefilled_apart_lands_in_its_slot(tiny_gguf: Path) -> None:
+    """Where the weights are repacked, a fresh prompt of PLAIN_PREFILL tokens or more is prefilled by a plain-layout
+    copy of the model and its keys and values copied into the slot: the forward's logits, and every forward after
+    it, are the torch runner's; rows beside it decode in the same call, in order."""
+    from dsde_core.models.llama_cpp import PLAIN_PREFILL
+
+    tol = SETTINGS["fp32"][1]
+    ref, run = torch_runner(), lcpp_runner(tiny_gguf)
+    run._plain = lcpp_runner(tiny_gguf, num_slots=1)  # as a repacked model has (tiny F32 files have no Q4_K)
+    prefill = run._prefill_plain
+    calls = []
+    run._prefill_plain = lambda *a: calls.append(a[0]) or prefill(*a)
+    same(ref, run, [1], [toks(3, 50)], [1], tol=tol)
+    same(ref, run, [0, 1], [toks(PLAIN_PREFILL + 2, 51), toks(2, 52)], [2, 1], tol=tol)  # apart, beside a decode
+    assert calls == [0] and run.length(0) == PLAIN_PREFILL + 2
+    same(ref, run, [1, 0], [toks(1, 53), toks(4, 54)], [1, 4], tol=tol)  # the copied cache serves the next forwards
+    for r in (ref, run):
+        r.set_length(0, 10)
+    same(ref, run, [0], [toks(3, 55)], [3], tol=tol)  # and rolls back like any other
+    same(ref, run, [2], [toks(PLAIN_PREFILL - 1, 56)], [1], tol=tol)  # shorter: this context's own decode
+    assert calls == [0]
+    run.close()

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 INSTALL_HINT = "pip install llama-cpp-python==0.3.36 (it builds llama.cpp from source: several minutes)"
+PLAIN_PREFILL = 48  # query tokens of a fresh prompt from which the plain layout's GEMM beats the repacked one
 MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ of llama.cpp: sequence ids (slots) of one context
 KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30}  # ggml_type of the K and V cache
 FLASH_ATTN = {None: -1, False: 0, True: 1}  # llama_flash_attn_type: auto (llama.cpp decides), off, on
@@ -129,7 +130,7 @@ def _repack_q4k(path: Path) -> ctypes.Array | None:
     """Overrides that put every 2-D Q4_K weight but the embeddings into llama.cpp's CPU_REPACK buffer type (its
     interleaved blocks, multiplied by GEMM kernels that read a weight block once for several tokens), one exact-name
     pattern a tensor (libstdc++'s regex recurses per alternative: one long pattern overflows its stack). None where
-    this build has no CPU_REPACK buffer type."""
+    this build has no CPU_REPACK buffer type or the file no Q4_K weight."""
     from gguf import GGUFReader
 
     buft = _cpu_repack_buft()
@@ -137,6 +138,8 @@ def _repack_q4k(path: Path) -> ctypes.Array | None:
         return None
     names = [t.name for t in GGUFReader(path).tensors
              if t.tensor_type.name == "Q4_K" and len(t.shape) == 2 and t.name != "token_embd.weight"]
+    if not names:
+        return None
     return (_BuftOverride * (len(names) + 1))(*[_BuftOverride(f"^{re.escape(n)}$".encode(), buft) for n in names],
                                               _BuftOverride(None, None))
 
@@ -265,6 +268,10 @@ class LlamaCppRunner:
             raise LlamaCppError(f"llama.cpp could not make a context for {path} ({num_slots} x {max_seq_len} "
                                 f"positions): {_LOG.take() or 'no reason given'}")
         self._mem = lib.llama_get_memory(self._ctx)
+        # the repacked model's prompts go through a plain-layout copy (its weights are the file's pages, mmap'd once)
+        self._plain = None if self._overrides is None else LlamaCppRunner(
+            path, 1, max_seq_len, threads, n_batch, n_ubatch, max_outputs, kv_type, flash_attn, extra_buffers=False,
+            quiet=quiet)
         self.n_ctx: int = lib.llama_n_ctx(self._ctx)
         self.n_batch: int = lib.llama_n_batch(self._ctx)
         self.max_outputs = max_outputs
@@ -310,8 +317,43 @@ class LlamaCppRunner:
         tokens[i] (len >= 1) are appended to slot slots[i] at positions length(slot).. ; lengths advance.
         Returns float32 logits packed [sum(num_logits), vocab]: for each sequence, the logits of its LAST
         num_logits[i] query positions (1 <= num_logits[i] <= len(tokens[i])), in order of `slots`. `hidden`: the
-        same logits (llama.cpp gives no hidden states; `head` is the identity).
+        same logits (llama.cpp gives no hidden states; `head` is the identity). With repacked weights, a fresh
+        prompt of PLAIN_PREFILL tokens or more is prefilled apart (_prefill_plain).
         """
+        self._pack(slots, tokens, num_logits)  # every input checked before any row runs
+        apart = [i for i, (s, t) in enumerate(zip(slots, tokens, strict=True))
+                 if self._plain is not None and len(t) >= PLAIN_PREFILL and self.cache.lengths[s] == 0]
+        if not apart:
+            return self._decode(slots, tokens, num_logits)
+        rest = [i for i in range(len(slots)) if i not in apart]
+        parts = {i: self._prefill_plain(slots[i], tokens[i], num_logits[i]) for i in apart}
+        if rest:
+            out = self._decode([slots[i] for i in rest], [tokens[i] for i in rest], [num_logits[i] for i in rest])
+            ends = np.cumsum([num_logits[i] for i in rest])
+            parts.update({i: out[e - num_logits[i] : e] for i, e in zip(rest, ends, strict=True)})
+        return torch.cat([parts[i] for i in range(len(slots))])
+
+    def _prefill_plain(self, slot: int, tokens: list[int], num_logits: int) -> torch.Tensor:
+        """A fresh prompt through the plain-layout copy of the model (llama.cpp's repacked GEMM kernels are faster
+        for a few tokens a sequence, slower for a prompt's hundreds), its keys and values then copied into this
+        context's slot as llama.cpp's sequence state (prompt x layers x K and V: megabytes)."""
+        lib, plain = self._lib, self._plain
+        plain.reset(0)
+        logits = plain._decode([0], [tokens], [num_logits])  # [num_logits, V]
+        size = lib.llama_state_seq_get_size(plain._ctx, 0)
+        state = (ctypes.c_ubyte * size)()
+        if lib.llama_state_seq_get_data(plain._ctx, state, size, 0) != size:
+            raise LlamaCppError(f"llama.cpp could not read back slot {slot}'s prefilled state: {_LOG.take()}")
+        plain.reset(0)
+        self._remove(slot, -1)
+        if lib.llama_state_seq_set_data(self._ctx, state, size, slot) != size:
+            self._remove(slot, -1)
+            raise LlamaCppError(f"llama.cpp could not take slot {slot}'s prefilled state: {_LOG.take()}")
+        self.cache.lengths[slot] = len(tokens)
+        return logits
+
+    def _decode(self, slots: list[int], tokens: list[list[int]], num_logits: list[int]) -> torch.Tensor:
+        """forward's rows on this context: one llama_decode unless they exceed n_batch tokens or max_outputs rows."""
         lib = self._lib
         flat, pos, ptr, out = self._pack(slots, tokens, num_logits)
         T, V = len(flat), self.vocab_size
@@ -348,6 +390,8 @@ class LlamaCppRunner:
         lib = getattr(self, "_lib", None)
         if lib is None:
             return
+        if getattr(self, "_plain", None) is not None:
+            self._plain.close()
         if getattr(self, "_ctx", None):
             lib.llama_free(self._ctx)
         if getattr(self, "_model", None):
