@@ -120,11 +120,12 @@ def serve_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 def serve_config(http_port: int, target: Path, draft: Path, autoscaling: dict[str, Any], **args: Any
                  ) -> dict[str, Any]:
-    """deploy/config.yaml with the tiny fp32 pair, one thread per model, two KV slots, the HTTP proxy on the head only
-    and the actors placed by the nodes' resources: one STRICT_SPREAD placement group per replica, whose bundles put
-    the controller on the head, the draft on a draft node and the target on a target node. `args` override the app
-    args; `autoscaling` is the deployment's autoscaling_config (deploy/config.yaml's shape: one that can only hold one
-    replica until a test raises max_replicas, a change of numbers that Serve applies without a restart)."""
+    """deploy/config.yaml with the tiny fp32 pair, the paper's dsde policy, one thread per model, two KV slots, the
+    HTTP proxy on the head only and the actors placed by the nodes' resources: one STRICT_SPREAD placement group per
+    replica, whose bundles put the controller on the head, the draft on a draft node and the target on a target node.
+    `args` override the app args; `autoscaling` is the deployment's autoscaling_config (deploy/config.yaml's shape:
+    one that can only hold one replica until a test raises max_replicas, a change of numbers that Serve applies
+    without a restart)."""
     config = yaml.safe_load((ROOT / "deploy" / "config.yaml").read_text())
     config["http_options"] = {"host": "127.0.0.1", "port": http_port}
     config["proxy_location"] = "HeadOnly"
@@ -134,8 +135,9 @@ def serve_config(http_port: int, target: Path, draft: Path, autoscaling: dict[st
         max_seq_len=256, num_threads=1, draft_num_cpus=0, target_num_cpus=0, placement_strategy="STRICT_SPREAD",
         draft_resources={DRAFT_RESOURCE: 1}, target_resources={TARGET_RESOURCE: 1},
         controller_resources={HEAD_RESOURCE: 0.01}, actor_max_restarts=5, worker_wait_s=20, placement_timeout_s=120,
-        request_timeout_s=180, **args)
+        request_timeout_s=180, policy="dsde", **args)
     [deployment] = app["deployments"]
+    deployment["user_config"]["policy"] = "dsde"  # always drafts: these tests watch the draft, not the policy
     assert "num_replicas" not in deployment and deployment["autoscaling_config"]["max_replicas"] >= 1
     deployment["autoscaling_config"] = dict(autoscaling)
     # the ingress replicas on the head: a node that is removed takes no replica (and no HTTP stream) with it

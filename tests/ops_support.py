@@ -43,7 +43,7 @@ def tool(name: str) -> Path:
     for candidate in (BIN / name, shutil.which(name)):
         if candidate and Path(candidate).exists():
             return Path(candidate)
-    pytest.fail(f"`{name}` is not installed: `make setup` installs it (see README, Operations)", pytrace=False)
+    pytest.fail(f"`{name}` is not installed: `make setup` installs it (docs/operations.md)", pytrace=False)
 
 
 def locust_command(base: str, csv_prefix: Path, *flags: str) -> list[str]:
@@ -152,13 +152,16 @@ def ray_head(num_cpus: int = 2) -> Iterator[RayHead]:
 
 
 def tiny_serve_config(http_port: int, target: Path, draft: Path, max_batch_size: int = 4) -> dict[str, Any]:
-    """deploy/config.yaml itself with only the HTTP port and the models (tiny, fp32, one thread) swapped."""
+    """deploy/config.yaml itself with only the HTTP port, the models (tiny, fp32, one thread) and the policy swapped:
+    the paper's dsde, which drafts on every step, so that every speculation series has data (the default
+    dsde-goodput stops drafting where its cost model sees no gain, as on the tiny pair)."""
     config = yaml.safe_load((ROOT / "deploy" / "config.yaml").read_text())
     config["http_options"]["port"] = http_port
     app = config["applications"][0]
     app["args"].update(draft=str(draft), target=str(target), model_name=TINY_MODEL, dtype="float32",
                        max_batch_size=max_batch_size, max_seq_len=512, num_threads=1, draft_num_cpus=0,
-                       target_num_cpus=0)
+                       target_num_cpus=0, policy="dsde")
+    app["deployments"][0]["user_config"]["policy"] = "dsde"
     return config
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
+from dsde_core.policies import DEFAULT_POLICY
 from tests.ops_support import (
     prometheus_server,
     prometheus_test_config,
@@ -80,7 +81,7 @@ def test_serve_deploy_config_reaches_running_and_reconfigures_live(tiny_models: 
         code, out = http_post(f"{base}/v1/completions", body)
         assert code == 200 and out["choices"][0]["text"] and out["speculation"]["drafted"] > 0, out
         before = _health(base)
-        assert before["policy"] == "dsde"
+        assert before["policy"] == app["deployments"][0]["user_config"]["policy"] == DEFAULT_POLICY
 
         app["deployments"][0]["user_config"] = {"policy": "off"}
         path.write_text(yaml.safe_dump(config))
