@@ -112,3 +112,24 @@ def schema_verdicts(model: Any, bodies: list[dict[str, Any]]) -> list[bool]:
         assert schema.is_valid(body) == valid, body
         verdicts.append(valid)
     return verdicts
+
+
+def make_tiny_gguf_pair(root: Path, models: tuple[Path, Path]) -> tuple[Path, Path]:
+    """(target, draft) of make_tiny_pair's directories as F32 GGUF files with the real Qwen tokenizer (copied from the
+    embedded draft's GGUF), for the llama.cpp backend."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from dsde_core.models.llama_cpp import embedded_gguf
+    from dsde_core.models.loader import DEFAULT_DRAFT
+    from tests.tiny_gguf import write_qwen2_gguf
+
+    real = embedded_gguf(DEFAULT_DRAFT)
+    out = []
+    for src in models:
+        dest = root / f"{src.name}.gguf"
+        if not dest.exists():
+            state = load_file(str(src / "model.safetensors"))
+            write_qwen2_gguf(dest, AutoConfig.from_pretrained(str(src)), state, tokenizer_of=real)
+        out.append(dest)
+    return out[0], out[1]

@@ -7,6 +7,7 @@ Most tests use a tiny random-weight Qwen2 pair with the real Qwen tokenizer; one
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import time
 from dataclasses import dataclass
@@ -22,7 +23,16 @@ from dsde_core.detokenize import token_bytes
 from dsde_core.llm import SpeculativeLLM
 from dsde_core.models.loader import load_model
 from services.metrics import METRICS, exported_name
-from tests.service_support import TINY_VOCAB, free_port, http_get, http_post, make_tiny_pair, start_ray, wait_for
+from tests.service_support import (
+    TINY_VOCAB,
+    free_port,
+    http_get,
+    http_post,
+    make_tiny_gguf_pair,
+    make_tiny_pair,
+    start_ray,
+    wait_for,
+)
 
 openai = pytest.importorskip("openai")
 ray = pytest.importorskip("ray")
@@ -709,3 +719,37 @@ def test_real_pair_streams_a_chat_answer(cluster: Cluster) -> None:
     finally:
         serve.delete("real")
     print(f"real pair through the service: {time.perf_counter() - t0:.0f}s")
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_models(tmp_path_factory: pytest.TempPathFactory, tiny_models: tuple[Path, Path]) -> tuple[Path, Path]:
+    return make_tiny_gguf_pair(tmp_path_factory.mktemp("tiny-gguf"), tiny_models)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                    reason="llama-cpp-python is not installed (make setup builds it)")
+def test_the_actors_host_llama_cpp_models(cluster: Cluster, tiny_gguf_models: tuple[Path, Path]) -> None:
+    """The same service with both models on the llama.cpp backend (the tiny pair as F32 GGUF files): greedy outputs
+    through the openai client equal dsde_core's in-process target-only output on that backend, while it drafts."""
+    from services.app import build_app
+
+    target, draft = map(str, tiny_gguf_models)
+    ref = SpeculativeLLM.load(draft=draft, target=target, policy="off",
+                              config=EngineConfig(max_batch_size=1, max_seq_len=TINY_SEQ_LEN, backend="llama.cpp"))
+    serve.run(build_app({"draft": draft, "target": target, "model_name": MODEL, "backend": "llama.cpp",
+                         "max_batch_size": TINY_BATCH, "max_seq_len": TINY_SEQ_LEN, "num_threads": 1,
+                         "draft_num_cpus": 0, "target_num_cpus": 0, "user_config": {"policy": "static:3"}}),
+              name="tiny-lcpp", route_prefix="/tiny-lcpp")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.http_port}/tiny-lcpp/v1", api_key="unused",
+                           timeout=REQUEST_TIMEOUT, max_retries=0)
+    try:
+        drafted = 0
+        for prompt in PROMPTS[:4]:
+            res = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+            assert res.choices[0].text == _reference(ref, prompt, 20), prompt
+            drafted += res.model_extra["speculation"]["drafted"]
+        assert drafted > 0
+        state = json.loads(http_get(f"http://127.0.0.1:{cluster.http_port}/tiny-lcpp/admin/state")[1])
+        assert state["requests"] == 0 and state["slots_in_use"] == 0
+    finally:
+        serve.delete("tiny-lcpp")

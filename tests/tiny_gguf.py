@@ -18,11 +18,12 @@ _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "
         "lm_head.weight": "output.weight"}
 
 
-def write_qwen2_gguf(path: Path, config, state: dict[str, torch.Tensor], tokens: list[str],
-                     merges: list[str] = (), specials: int = 0) -> Path:
+def write_qwen2_gguf(path: Path, config, state: dict[str, torch.Tensor], tokens: list[str] = (),
+                     merges: list[str] = (), specials: int = 0, tokenizer_of: Path | None = None) -> Path:
     """A Qwen2 `config` + `state` as an F32 GGUF at `path`, with a byte-level BPE vocabulary of `tokens` (the last
-    `specials` of them control tokens) and `merges`: llama.cpp needs a vocabulary to load a model, though the
-    engine never asks it to tokenize."""
+    `specials` of them control tokens) and `merges` (llama.cpp needs a vocabulary to load a model, though the engine
+    never asks it to tokenize), or with every tokenizer field of the GGUF file `tokenizer_of` (a real tokenizer and
+    chat template, which transformers reads back)."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), "qwen2")
@@ -35,15 +36,20 @@ def write_qwen2_gguf(path: Path, config, state: dict[str, torch.Tensor], tokens:
     w.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.NORMAL] * (len(tokens) - specials) + [gguf.TokenType.CONTROL] * specials)
-    w.add_token_merges(list(merges))
-    if config.eos_token_id is not None:
-        w.add_eos_token_id(config.eos_token_id)
-        w.add_bos_token_id(config.bos_token_id if config.bos_token_id is not None else config.eos_token_id)
-    w.add_add_bos_token(False)
+    if tokenizer_of is not None:
+        for key, field in gguf.GGUFReader(tokenizer_of).fields.items():
+            if key.startswith("tokenizer."):
+                w.add_key_value(key, field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("qwen2")
+        w.add_token_list(tokens)
+        w.add_token_types([gguf.TokenType.NORMAL] * (len(tokens) - specials) + [gguf.TokenType.CONTROL] * specials)
+        w.add_token_merges(list(merges))
+        if config.eos_token_id is not None:
+            w.add_eos_token_id(config.eos_token_id)
+            w.add_bos_token_id(config.bos_token_id if config.bos_token_id is not None else config.eos_token_id)
+        w.add_add_bos_token(False)
     for k, v in state.items():
         if k in _TOP:
             name = _TOP[k]
