@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= Write a Python function that returns the n-th Fibonacci number, with a docstring and type hints.
 
-.PHONY: setup models run generate test lint bench bench-sim bench-sim-fp32 bench-sim-closed bench-goodput bench-grid bench-lowacc bench-weak bench-batch bench-dsde-bound bench-service benchmarks-md perf clean dashboards load-test
+.PHONY: setup models run generate test test-slow lint bench bench-sim bench-sim-fp32 bench-sim-closed bench-goodput bench-grid bench-lowacc bench-weak bench-batch bench-dsde-bound bench-service benchmarks-md perf clean dashboards load-test
 
 PROMETHEUS := $(VENV)/opt/prometheus/.installed
 
@@ -53,9 +53,13 @@ run: models
 generate: models
 	$(VENV)/bin/dsde generate --chat --compare "$(PROMPT)"
 
+# The suite without the benchmark validations marked slow (make test-slow runs those), its 25 slowest tests listed.
 test: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -rs
+	$(PY) -m pytest -q -rs -m "not slow" --durations=25
+
+test-slow: setup
+	$(PY) -m pytest -q -rs -m slow --durations=0
 
 lint: setup
 	$(VENV)/bin/ruff check .
