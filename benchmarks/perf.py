@@ -140,6 +140,22 @@ def anchor(llm: SpeculativeLLM, cells: dict[str, list[list[int]]], n: int) -> di
     return out
 
 
+def rounds(systems: dict[str, Callable[[], dict[str, Cell]]], n: int, cells: list[str]
+           ) -> dict[str, dict[str, list[Cell]]]:
+    """Every system's cells once a round for n rounds, the systems' order reversed every other round; each round's
+    tokens/s printed as it ends."""
+    runs: dict[str, dict[str, list[Cell]]] = {name: {} for name in systems}
+    print(f"{'round':5} {'system':34} " + " ".join(f"{c:>9}" for c in cells) + "   (tok/s)", flush=True)
+    for r in range(n):
+        for name in round_policies(list(systems), r, "alternate"):
+            got = systems[name]()
+            for cell, res in got.items():
+                runs[name].setdefault(cell, []).append(res)
+            print(f"{r:5} {name:34} " + " ".join(f"{sum(map(len, got[c][0])) / got[c][1]:9.2f}" if c in got else
+                                                  f"{'-':>9}" for c in cells), flush=True)
+    return runs
+
+
 def summarise(runs: dict[str, dict[str, list[Cell]]]) -> dict[str, dict]:
     """Per cell and system: median tokens/s over rounds, every round's, the ratio to our target-only's, whether the
     tokens equal our target-only's, and our speculation figures (the median round's)."""
@@ -191,15 +207,7 @@ def main() -> None:
         for name, draft in SERVER_DRAFTS.items():
             systems[name] = lambda draft=draft: server_runs(binary, draft, cells, n)
 
-    runs: dict[str, dict[str, list[Cell]]] = {name: {} for name in systems}
-    print(f"{'round':5} {'system':34} " + " ".join(f"{c:>9}" for c in cells) + "   (tok/s)", flush=True)
-    for r in range(args.runs):
-        for name in round_policies(list(systems), r, "alternate"):
-            got = systems[name]()
-            for cell, res in got.items():
-                runs[name].setdefault(cell, []).append(res)
-            print(f"{r:5} {name:34} " + " ".join(f"{sum(map(len, got[c][0])) / got[c][1]:9.2f}" if c in got else
-                                                  f"{'-':>9}" for c in cells), flush=True)
+    runs = rounds(systems, args.runs, list(cells))
     if not args.no_anchor:
         for name, got in anchor(llm, cells, n).items():
             runs[name] = {cell: [res] for cell, res in got.items()}

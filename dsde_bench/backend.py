@@ -47,6 +47,7 @@ def machine_info() -> dict[str, Any]:
         "cpu_count": _cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cpu": _cpu_model(),
+        "cpu_flags": _cpu_flags(),
     }
     try:
         import transformers
@@ -70,6 +71,19 @@ def _cpu_count() -> int | None:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover
         return os.cpu_count()
+
+
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8")  # what sets a CPU's bf16 and int8 speed
+
+
+def _cpu_flags() -> str:
+    """The CPU_FLAGS this CPU reports ('' where /proc/cpuinfo cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            flags = next((line.split(":", 1)[1].split() for line in fh if line.startswith("flags")), [])
+    except OSError:
+        return ""
+    return " ".join(f for f in CPU_FLAGS if f in flags)
 
 
 def _cpu_model() -> str:

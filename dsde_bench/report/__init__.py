@@ -58,7 +58,7 @@ def write(results_dir: str | Path = "results", out: str | Path = "BENCHMARKS.md"
     page = Path(out)
     text = render(results_dir, page.parent)
     for name, doc in load_runs(results_dir).items():
-        if doc.get("cells") or doc.get("kind") == "serve":
+        if isinstance(doc.get("cells"), list) and doc["cells"] or doc.get("kind") == "serve":  # perf's: by cell
             (Path(results_dir) / f"{name}.md").write_text(run_page(name, doc))
     page.write_text(text)
     return page

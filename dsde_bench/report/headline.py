@@ -1,14 +1,19 @@
-"""The page's headline: every system against target-only and the best static k, per workload and batch size. Its rows
-come from ROW_SOURCES (a results file, and a function from its document to rows of the headline's columns): a peer
-engine on the same prompts (e.g. llama.cpp's llama-server) is one more source, its run one more machine line."""
+"""The page's headline: a table per row source, each a results file and a function from its document to rows of its
+own columns, with what an entry means and the run's machine under it. First `make perf`'s (our engine on its default
+backend against llama.cpp's own server and transformers, same prompts and GGUF files), then the T=0 grid's (every
+policy against target-only and the best static k, per workload and batch size). A peer engine measured on the same
+prompts is one more source."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from dsde_bench.report.tables import CELL, Doc, Rows, best_static, by_order, cell_name, fmt, groups, pivot
+from dsde_core.models.backends import BACKENDS
 
-COLUMNS = tuple(cell_name(w, None, b) for w in ("code", "chat", "mixed") for b in (1, 4))
+GRID_COLUMNS = tuple(cell_name(w, None, b) for w in ("code", "chat", "mixed") for b in (1, 4))
+PERF_COLUMNS = {"code": "code b1", "prose": "prose b1", "summ": "summ b1", "chat x4": "chat x4 concurrent"}
 
 
 def policy_rows(cells: list[Doc], with_t: bool = False) -> Rows:
@@ -28,9 +33,34 @@ def policy_rows(cells: list[Doc], with_t: bool = False) -> Rows:
     return rows
 
 
-# (results file stem, its rows): the T=0 grid's
-ROW_SOURCES: tuple[tuple[str, Callable[[Doc], Rows]], ...] = (
-    ("bench", lambda doc: policy_rows([c for c in doc["cells"] if c["temperature"] == 0.0])),)
+def perf_rows(doc: Doc) -> Rows:
+    """A row per system of make perf: tokens/s, and over llama-server's target-only tokens/s in the same cell."""
+    rows: Rows = {}
+    for cell, systems in doc.get("cells", {}).items():
+        peer = (systems.get("llama-server") or {}).get("tok_s")
+        for name, v in systems.items():
+            ratio = f" ({v['tok_s'] / peer:.2f}x)" if peer else ""
+            rows.setdefault(name, {})[PERF_COLUMNS.get(cell, cell)] = f"{fmt(v['tok_s'], '.1f')}{ratio}"
+    return rows
+
+
+@dataclass(frozen=True)
+class Source:
+    name: str  # the results file's stem
+    rows: Callable[[Doc], Rows]
+    columns: Sequence[str]
+    meaning: str  # what an entry is
+
+
+ROW_SOURCES: tuple[Source, ...] = (
+    Source("perf", perf_rows, tuple(PERF_COLUMNS.values()),
+           "Each entry: output tokens/s end to end, greedy, 128 tokens a request (and over llama-server's target-only "
+           "tokens/s in the same cell of the same run). Ours: the in-process engine on its default backend "
+           "(llama.cpp on the CPU); `ours:target-only` is policy `off`, `ours:dsde-goodput` the default policy."),
+    Source("bench", lambda doc: policy_rows([c for c in doc["cells"] if c["temperature"] == 0.0]), GRID_COLUMNS,
+           "Each entry: output tokens/s over target-only's / over the best static k's, in the same cell of the same "
+           "run at T=0 (the best k picked in hindsight per cell)."),
+)
 
 
 def machine(doc: Doc) -> str:
@@ -38,19 +68,23 @@ def machine(doc: Doc) -> str:
     meta = doc.get("meta", {})
     m, code = meta.get("machine") or {}, meta.get("code") or {}
     backend = doc.get("backend") or (doc.get("traces") or [{}])[0].get("backend") or {}  # a simulator run: its traces'
-    parts = [m.get("cpu"), m.get("cpu_count") and f"{m['cpu_count']} cores", m.get("torch") and f"torch {m['torch']}",
-             backend.get("dtype"), meta.get("created", "")[:10],
+    # the target's runner: a grid's "backend", or make perf's "target"; a run recorded before runners had names: torch
+    runner = backend.get("backend") or (backend.get("target") if backend.get("target") in BACKENDS else None)
+    parts = [m.get("cpu"), m.get("cpu_flags"), m.get("cpu_count") and f"{m['cpu_count']} cores",
+             m.get("torch") and f"torch {m['torch']}", runner and f"{runner} backend", backend.get("dtype"),
+             meta.get("created", "")[:10],
              code.get("commit") and f"commit {code['commit'][:7]}" + " with modified code" * bool(code.get("modified"))
              + "; the checkout changed while it ran" * bool(meta.get("changed_during_run"))]
     return ", ".join(p for p in parts if p) or "no record of its machine"
 
 
 def headline(docs: Mapping[str, Doc]) -> str:
-    sources = [name for name, _ in ROW_SOURCES if name in docs]
-    rows = {k: v for name, fn in ROW_SOURCES if name in docs for k, v in fn(docs[name]).items()}
-    if not rows:
-        return "No results yet: run `make bench-grid` (or `dsde bench`), then `python -m dsde_bench report`.\n"
-    table = pivot({k: {c: v.get(c, "-") for c in COLUMNS} for k, v in rows.items()}, ["system"])
-    return (f"{table}\n\nEach entry: output tokens/s over target-only's / over the best static k's, in the same cell "
-            "of the same run at T=0 (the best k picked in hindsight per cell).\n"
-            + "".join(f"Machine, `results/{name}.json`: {machine(docs[name])}.\n" for name in sources))
+    tables = []
+    for src in (s for s in ROW_SOURCES if s.name in docs):
+        rows = src.rows(docs[src.name])
+        if rows:
+            table = pivot({k: {c: v.get(c, "-") for c in src.columns} for k, v in rows.items()}, ["system"])
+            tables.append(f"{table}\n\n{src.meaning}\nMachine, `results/{src.name}.json`: {machine(docs[src.name])}.\n")
+    if not tables:
+        return "No results yet: run `make perf` or `make bench-grid`, then `python -m dsde_bench report`.\n"
+    return "\n".join(tables)

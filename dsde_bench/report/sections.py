@@ -114,15 +114,18 @@ def closed_batches(doc: Doc) -> str:
 
 
 def perf(doc: Doc) -> str:
-    prompts = doc.get("prompts", {})
-    rows = {s: {p: f"{fmt(v.get('tok_s'), '.1f')} ({fmt(v.get('speedup'))}x{'' if v.get('identical') else ', differs'})"
-                for p, systems in prompts.items() if (v := systems.get(s))}
-            for s in dict.fromkeys(s for systems in prompts.values() for s in systems)}
-    batch = ", ".join(f"{k} {fmt(v, '.1f')}" for k, v in doc.get("batch", {}).items())
-    return _section("Engine speed at batch 1", run_line("perf", doc) + f" Max tokens {doc.get('max_tokens')}, median "
-                    f"of {doc.get('runs')} runs, greedy; tok/s (over our target-only; 'differs': other tokens than "
-                    "target-only's, a bf16 near-tie):", pivot(rows, ["system"]),
-                    batch and f"Tokens/s, policy@batch: {batch}.", tg.table(tg.perf(doc)))
+    """make perf: every system's tokens/s per cell, over our target-only's, with the speculation figures of ours."""
+    rows: Rows = {}
+    for cell, systems in doc.get("cells", {}).items():
+        for name, v in systems.items():
+            spec = f", SL {v['mean_sl']:.2f}" if v.get("mean_sl") else ""
+            same = "" if v.get("identical", True) else ", other tokens"
+            rows.setdefault(name, {})[cell] = f"{fmt(v['tok_s'], '.1f')} ({fmt(v.get('vs_target_only'))}x{spec}{same})"
+    return _section("Against llama.cpp's server and transformers", run_line("perf", doc, cells=False)
+                    + f" {doc.get('max_tokens')} tokens a request, greedy, median of {doc.get('runs')} rounds "
+                    "(transformers: one run); tok/s end to end (over our target-only's; SL: tokens drafted a step; "
+                    "'other tokens': not our target-only's, a near-tie rounded apart by another batch shape):",
+                    pivot(rows, ["system"]), tg.table(tg.perf(doc)))
 
 
 def service(doc: Doc) -> str:
