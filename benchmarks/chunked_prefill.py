@@ -9,7 +9,7 @@ whole prompt in one step), per round: the longest gap between two emissions of a
 prompt is fed, the long request's time to first token, and the wall time of all four requests. Rounds alternate the
 settings; the table prints medians. Outputs are compared with the first setting's: in float32 (--dtype float32) they
 must be equal; in bf16 a chunk's matmuls round differently from the whole prompt's, so a near-tie may go the other way
-(as a different batch does; README, Tests). The same budget bounds the draft's prefill of the prompt at the request's
+(as a different batch does). The same budget bounds the draft's prefill of the prompt at the request's
 first drafting step (--policy off has no draft step; --draft-window bounds it too).
 """
 

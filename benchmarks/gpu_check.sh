@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, in one call of a lent machine (README, "On a GPU"): the engine's tests with the tiny
+# The checks that need a GPU, in one call of a lent machine (docs/benchmarks.md, "On a GPU"): the engine's tests with the tiny
 # models on CUDA (lossless speculation, sampling, the cost-aware policy, recovery), then the embedded pair's step
 # costs there (benchmarks/gpu_costs.py). Needs python3 with torch (CUDA), transformers and pytest; writes to $OUT.
 # Usage: OUT=DIR benchmarks/gpu_check.sh CONFIGS_DIR   (CONFIGS_DIR holds target.json and draft.json)

@@ -40,7 +40,7 @@ class WorkerUnavailable(DSDEError):
     back without its state. The engine recovers instead of failing requests: without the draft it decodes
     target-only, without the target it waits (up to EngineConfig.worker_wait_s) and re-prefills, without the
     policy it plans k = 0; once the worker answers again, its per-request state is rebuilt from the committed
-    tokens (see Engine._recover)."""
+    tokens (dsde_core.recovery.RecoveryGuard)."""
 
     def __init__(self, role: str, message: str) -> None:
         super().__init__(f"the {role} is unavailable: {message}")

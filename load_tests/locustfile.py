@@ -1,4 +1,4 @@
-"""Locust load test of DSDE Serve's OpenAI-compatible API (README, Operations).
+"""Locust load test of DSDE Serve's OpenAI-compatible API (docs/operations.md, Load testing with Locust).
 
 Each simulated user streams chat and text completions (`stream: true`, usage in the last chunk), and with
 --responses-fraction the Responses API (its events; usage in the last), with real prompts

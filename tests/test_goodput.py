@@ -404,7 +404,7 @@ def test_a_rows_remaining_steps_count_the_tokens_it_drafts_not_its_ceiling() -> 
     unsure = _State(True, 0.0, p_first=0.7, p_sum=0.7 * 1.4, p_count=1.4)
     w = GoodputPolicy._worth(seqs, [sure, unsure], [20, 20])  # h = 1 for both: e = p_first
     assert w == pytest.approx([2 * 40 / 1.85 / (40 / 1.85 + 40 / 1.7), 2 * 40 / 1.7 / (40 / 1.85 + 40 / 1.7)])
-    assert 0.95 < w[0] < 1.0  # at the ceilings (e = 5.45 against 2.33) it was 0.68, and the row was left out
+    assert 0.95 < w[0] < 1.0  # taken at the ceilings (e = 5.45 against 2.33) it would be 0.68: the row left out
     steady = _State(True, 0.0, p_first=0.85, p_sum=0.85 * 3.0, p_count=3.0)  # 3 tokens a step
     e = 0.85 * (1 + 0.85 + 0.85 ** 2)
     w = GoodputPolicy._worth(seqs, [steady, unsure], [20, 20])

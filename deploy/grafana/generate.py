@@ -4,7 +4,7 @@ deploy/grafana/dashboards/*.json and the copies the Helm chart ships (helm/dsde/
     .venv/bin/python deploy/grafana/generate.py          # rewrite the JSON files
     .venv/bin/python deploy/grafana/generate.py --check  # exit 1 if a file differs from what this writes
 
-Every query is PromQL against the series of the README's metrics table (`ray_dsde_*`) and Ray Serve's own
+Every query is PromQL against the series of the metrics table in docs/operations.md (`ray_dsde_*`) and Ray Serve's own
 (`ray_serve_*`); `$model` and `$application` are the dashboards' variables, `$__rate_interval` and `$__range` are
 Grafana's. tests/test_ops_prometheus.py evaluates every one of them on a real Prometheus that scraped a real run.
 """
@@ -206,7 +206,7 @@ SERVING: list[dict[str, Any]] = [
                 target(_rate("ray_dsde_generation_tokens_total", "model"), "generation {{model}}")], w=6, min=0),
     timeseries("Prefill chunks/s", "Chunks of prompts over a step's prefill budget (prefill_chunk) fed to each "
                "model: a long prompt's TTFT is spread over these steps so the running requests keep decoding "
-               "(README, Chunked prefill); 0 before a first chunk.", "short",
+               "(docs/policies.md, Chunked prefill); 0 before a first chunk.", "short",
                [target(_rate("ray_dsde_prefill_chunks_total", "worker")
                        + _zero_by_worker(f'{M}, worker=~"target|draft"'), "{{worker}}")], w=6, min=0),
     timeseries("Requests finished by reason", "stop, length, cancelled (client gone), error.", "reqps",
@@ -217,10 +217,10 @@ SERVING: list[dict[str, Any]] = [
                [target(_rate("ray_dsde_request_errors_total", "status_code"), "{{status_code}}")], w=6, min=0),
     row("Ray Serve"),
     stat("Workers up", "Whether the ingress reaches each of its actors (1 up, 0 down: the engine falls back to "
-         "target-only decoding without the draft and waits for a restarted target; README, Failure behaviour).",
+         "target-only decoding without the draft and waits for a restarted target; docs/failures.md).",
          "none", f"min by (worker) (ray_dsde_worker_up{{{M}}})", w=4, legend="{{worker}}"),
     stat("Worker failures", "Times the engine lost each actor or it raised an error, over the dashboard's range "
-         "(a down time shorter than a scrape shows here, not in Workers up; README, Failure behaviour).", "short",
+         "(a down time shorter than a scrape shows here, not in Workers up; docs/failures.md).", "short",
          f"sum by (worker) (increase(ray_dsde_worker_failures_total{{{M}}}[$__range]))" + _zero_by_worker(), w=4,
          legend="{{worker}}"),
     stat("Healthy replicas", "Replicas passing Serve's health check, per deployment.", "short",
