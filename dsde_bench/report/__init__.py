@@ -11,7 +11,7 @@ from pathlib import Path
 
 from dsde_bench.report import headline, sections
 from dsde_bench.report.runs import run_page
-from dsde_bench.report.tables import Doc, load
+from dsde_bench.report.tables import Doc, has_cells, load
 from dsde_core.errors import ConfigError
 
 RUNS = ("bench", "dsde_bound_pick", "dsde_bound", "goodput_lowacc", "goodput_weak", "goodput_batch", "simulate",
@@ -58,7 +58,7 @@ def write(results_dir: str | Path = "results", out: str | Path = "BENCHMARKS.md"
     page = Path(out)
     text = render(results_dir, page.parent)
     for name, doc in load_runs(results_dir).items():
-        if isinstance(doc.get("cells"), list) and doc["cells"] or doc.get("kind") == "serve":  # perf's: by cell
+        if has_cells(doc) or doc.get("kind") == "serve":
             (Path(results_dir) / f"{name}.md").write_text(run_page(name, doc))
     page.write_text(text)
     return page

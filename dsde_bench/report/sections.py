@@ -9,7 +9,18 @@ from dsde_bench import provenance
 from dsde_bench.bound import bound_ratios, bound_scores, pick_bound
 from dsde_bench.report import targets as tg
 from dsde_bench.report.headline import machine, policy_rows
-from dsde_bench.report.tables import Doc, Rows, best_static, cell_name, fmt, groups, load, md_table, pivot
+from dsde_bench.report.tables import (
+    Doc,
+    Rows,
+    best_static,
+    cell_name,
+    fmt,
+    groups,
+    has_cells,
+    load,
+    md_table,
+    pivot,
+)
 from dsde_bench.workloads import SOURCES
 
 # how each results file is measured again: the first prefix of its name that matches
@@ -28,7 +39,7 @@ def run_line(name: str, doc: Doc, cells: bool = True) -> str:
     """The command that measures the run again, the one it recorded, its machine, and where its every cell is."""
     elapsed = f"{doc['elapsed_s']:.0f} s, " if doc.get("elapsed_s") else ""
     return (f"`{rerun(name)}` ran `{doc.get('meta', {}).get('command', '?')}` ({elapsed}{machine(doc)})."
-            + (f" Every cell: `results/{name}.md`." if cells and doc.get("cells") else ""))
+            + (f" Every cell: `results/{name}.md`." if cells and has_cells(doc) else ""))
 
 
 def _section(title: str, *parts: str | None) -> str:
@@ -121,7 +132,7 @@ def perf(doc: Doc) -> str:
             spec = f", SL {v['mean_sl']:.2f}" if v.get("mean_sl") else ""
             same = "" if v.get("identical", True) else ", other tokens"
             rows.setdefault(name, {})[cell] = f"{fmt(v['tok_s'], '.1f')} ({fmt(v.get('vs_target_only'))}x{spec}{same})"
-    return _section("Against llama.cpp's server and transformers", run_line("perf", doc, cells=False)
+    return _section("Against llama.cpp's server and transformers", run_line("perf", doc)
                     + f" {doc.get('max_tokens')} tokens a request, greedy, median of {doc.get('runs')} rounds "
                     "(transformers: one run); tok/s end to end (over our target-only's; SL: tokens drafted a step; "
                     "'other tokens': not our target-only's, a near-tie rounded apart by another batch shape):",

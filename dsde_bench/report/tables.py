@@ -48,6 +48,12 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 Rows = dict[Any, dict[str, str]]  # row name (or a tuple of names) -> column -> entry
 
 
+def has_cells(doc: Doc) -> bool:
+    """Whether a run holds a list of measured cells, which results/<run>.md lists one by one (make perf's cells are
+    a dict by prompt, all on BENCHMARKS.md)."""
+    return isinstance(doc.get("cells"), list) and bool(doc["cells"])
+
+
 def pivot(rows: Rows, header: Sequence[str], last: Sequence[str] = ()) -> str:
     """Rows of named entries as one table: every column a row has, in first-seen order (`last` at the end), and '-'
     where a row has none."""
