@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from tests.service_support import free_port, http_get, wait_for
+from tests.service_support import free_port, http_get, pin_policy, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -135,9 +135,9 @@ def serve_config(http_port: int, target: Path, draft: Path, autoscaling: dict[st
         max_seq_len=256, num_threads=1, draft_num_cpus=0, target_num_cpus=0, placement_strategy="STRICT_SPREAD",
         draft_resources={DRAFT_RESOURCE: 1}, target_resources={TARGET_RESOURCE: 1},
         controller_resources={HEAD_RESOURCE: 0.01}, actor_max_restarts=5, worker_wait_s=20, placement_timeout_s=120,
-        request_timeout_s=180, policy="dsde", **args)
+        request_timeout_s=180, **args)
+    pin_policy(app, "dsde")  # always drafts: these tests watch the draft, not the policy
     [deployment] = app["deployments"]
-    deployment["user_config"]["policy"] = "dsde"  # always drafts: these tests watch the draft, not the policy
     assert "num_replicas" not in deployment and deployment["autoscaling_config"]["max_replicas"] >= 1
     deployment["autoscaling_config"] = dict(autoscaling)
     # the ingress replicas on the head: a node that is removed takes no replica (and no HTTP stream) with it

@@ -28,7 +28,7 @@ import pytest
 import yaml
 from ray._private import ray_constants
 
-from tests.service_support import free_port, http_get, wait_for
+from tests.service_support import free_port, http_get, pin_policy, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -160,8 +160,8 @@ def tiny_serve_config(http_port: int, target: Path, draft: Path, max_batch_size:
     app = config["applications"][0]
     app["args"].update(draft=str(draft), target=str(target), model_name=TINY_MODEL, dtype="float32",
                        max_batch_size=max_batch_size, max_seq_len=512, num_threads=1, draft_num_cpus=0,
-                       target_num_cpus=0, policy="dsde")
-    app["deployments"][0]["user_config"]["policy"] = "dsde"
+                       target_num_cpus=0)
+    pin_policy(app, "dsde")
     return config
 
 

@@ -133,3 +133,11 @@ def make_tiny_gguf_pair(root: Path, models: tuple[Path, Path]) -> tuple[Path, Pa
             write_qwen2_gguf(dest, AutoConfig.from_pretrained(str(src)), state, tokenizer_of=real)
         out.append(dest)
     return out[0], out[1]
+
+
+def pin_policy(app: dict[str, Any], policy: str) -> None:
+    """A Serve config application's policy, set where the replica starts (its args) and where Serve applies it
+    (every deployment's user_config)."""
+    app["args"]["policy"] = policy
+    for deployment in app["deployments"]:
+        deployment["user_config"]["policy"] = policy
