@@ -274,8 +274,8 @@ def test_where_nothing_drafts_for_long_the_longest_row_probes_the_pool() -> None
     (probe_backoff 1); the next test backs off."""
     cfg = GoodputConfig(probe_every=4, probe_max=16, pool_probe_every=24, probe_backoff=1)
     pol = _taught_nothing_is_accepted(cfg)
-    seqs = [SeqInfo("short", 0.0, 8, remaining=10, draft_lag=100), SeqInfo("long", 0.0, 8, remaining=14,
-                                                                            draft_lag=100)]
+    seqs = [SeqInfo("short", 0.0, 8, remaining=10, draft_lag=2), SeqInfo("long", 0.0, 8, remaining=14,
+                                                                          draft_lag=2)]
     ks = []
     for _ in range(100):
         plans = pol.plan(seqs, CPU)
@@ -295,8 +295,8 @@ def test_probes_that_pay_a_prefill_and_find_no_gain_wait_ever_longer() -> None:
     pool_probe_every plans."""
     cfg = GoodputConfig(probe_every=4, probe_max=16, pool_probe_every=24, probe_backoff=4)
     pol = _taught_nothing_is_accepted(cfg)
-    seqs = [SeqInfo("short", 0.0, 8, remaining=10, draft_lag=100), SeqInfo("long", 0.0, 8, remaining=14,
-                                                                            draft_lag=100)]
+    seqs = [SeqInfo("short", 0.0, 8, remaining=10, draft_lag=2), SeqInfo("long", 0.0, 8, remaining=14,
+                                                                          draft_lag=2)]
     ks = []
     for _ in range(500):
         plans = pol.plan(seqs, CPU)
@@ -306,6 +306,32 @@ def test_probes_that_pay_a_prefill_and_find_no_gain_wait_ever_longer() -> None:
     assert np.diff(probes).tolist()[:4] == [48, 96, 96, 96]  # 24 x 2, then x 4 = probe_backoff, and no further
     with pytest.raises(ConfigError, match="probe_backoff"):
         GoodputConfig(probe_backoff=0)
+
+
+def test_a_probe_pays_a_draft_prefill_only_within_its_budget() -> None:
+    """A cold or pool probe prefills the draft with the row's whole context: it goes ahead only where that prefill,
+    C * lag (here 0.005 s a token), is at most probe_budget of the row's remaining tokens at target-only speed,
+    remaining * V(B) (0.14 s a step)."""
+    cfg = GoodputConfig(probe_every=4, probe_max=16, pool_probe_every=24, probe_backoff=1)
+
+    def probes(seqs: list[SeqInfo], plans: int = 200) -> list[list[int]]:
+        pol, ks = _taught_nothing_is_accepted(cfg), []
+        for _ in range(plans):
+            out = pol.plan(seqs, CPU)
+            ks.append([p.k for p in out])
+            _feed(pol, out, seqs, lambda k: 0, conf=0.2)
+        return [k for k in ks if any(k)]
+
+    # 100 tokens of prefill (0.5 s) against 10 or 14 tokens left (2% of them: 0.03-0.04 s): no probe at all
+    trap = [SeqInfo("a", 0.0, 8, remaining=10, draft_lag=100), SeqInfo("b", 0.0, 8, remaining=14, draft_lag=100)]
+    assert probes(trap) == []
+    # the pool probe takes the row that affords it, though another has more tokens left
+    assert probes([*trap, SeqInfo("c", 0.0, 8, remaining=8, draft_lag=1)]) == [[0, 0, 8]] * 8
+    # a cold row's own probe: 0.5 s affordable over 400 tokens (1.1 s), not over 100 (0.28 s)
+    assert probes([SeqInfo("d", 0.0, 8, remaining=100, draft_lag=100)]) == []
+    assert len(probes([SeqInfo("e", 0.0, 8, remaining=400, draft_lag=100)])) >= 4
+    with pytest.raises(ConfigError, match="probe_budget"):
+        GoodputConfig(probe_budget=0.0)
 
 
 def _with_evidence(costs: StepCosts) -> GoodputPolicy:

@@ -30,9 +30,15 @@ k = its ceiling, p_next = pbar_i and its acceptance model; the draft worker appl
 - A row that is off probes (drafts one step) every probe_every plans, the interval doubling up to probe_max; a cold
   row waits probe_max plans and needs probe_max tokens left. Where no row has drafted for pool_probe_every plans, the
   row with the most tokens left drafts once, so a draft that once looked slow or weak is timed and judged again.
-  A cold probe and the pool probe pay the draft's prefill of the row's whole context: each that the rule does not
-  follow (the row is not chosen at the next plan) doubles both waits, up to probe_backoff times, and any row the rule
-  chooses resets them. Where no draft length pays, the probes so cost ever less instead of a prefill per request.
+  A cold probe and the pool probe pay the draft's prefill of the row's whole context, so they are priced: a row
+  probes so only where that prefill is at most probe_budget of the time its remaining tokens take at target-only
+  speed,
+      C * lag_i <= probe_budget * remaining_i * V(B)
+  (the pool probe takes the row with the most tokens left among those; where none is within budget, it waits). No
+  probe costs a request more than probe_budget of its time; where requests are short, the draft is judged again by
+  the first one long enough to afford it. Each paid probe that the rule does not follow (the row is not chosen at
+  the next plan) doubles both waits, up to probe_backoff times, and any row the rule chooses resets them. Where no
+  draft length pays, the probes so cost ever less instead of a prefill per request.
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ class GoodputConfig:
     probe_max: int = 64  # the longest interval; a cold row waits this long, and probes only with this many tokens left
     pool_probe_every: int = 256  # plans without any drafting row before the longest row probes (see the module doc)
     probe_backoff: int = 16  # the most the cold and pool probes' waits grow, doubling after each that finds no gain
+    probe_budget: float = 0.02  # the most of a row's remaining target-only time a probe's draft prefill may take
     window: int = 30  # DSDE's N: KLD history for WVIR
     delta: float = 0.9  # WVIR's decay
     speedup_rate: float = 0.2  # per decode step, of rho_B (memory ~5 steps)
@@ -98,6 +105,7 @@ class GoodputConfig:
                                                       f"{self.probe_every}, {self.probe_max}"),
             (self.pool_probe_every >= 1, f"pool_probe_every must be >= 1, got {self.pool_probe_every}"),
             (self.probe_backoff >= 1, f"probe_backoff must be >= 1, got {self.probe_backoff}"),
+            (0.0 < self.probe_budget <= 1.0, f"probe_budget must be in (0, 1], got {self.probe_budget}"),
             (0.0 < self.speedup_rate <= 1.0, f"speedup_rate must be in (0, 1], got {self.speedup_rate}"),
             (self.speedup_start > 0, f"speedup_start must be > 0, got {self.speedup_start}"),
         ]
@@ -302,7 +310,8 @@ class GoodputPolicy(SpeculationPolicy):
                 every = st.probe_every * (self._backoff if cold else 1)
                 st.probing = st.warming or (
                     self._plans - st.off_since >= every and self._plans % every == 0
-                    and (not cold or seqs[i].remaining is None or seqs[i].remaining >= cfg.probe_max))
+                    and (not cold or seqs[i].remaining is None or seqs[i].remaining >= cfg.probe_max)
+                    and self._affords_probe(seqs[i], costs, len(seqs)))
                 if st.probing and not st.warming:  # a new probe (one that prefills a cold cache too) doubles it
                     st.start_probe(self._plans, cold)
                     st.paid_probe = cold
@@ -313,11 +322,12 @@ class GoodputPolicy(SpeculationPolicy):
             plans.append(self._drafting(st, k, stop, worth[i]) if k > 0 else Plan(0))
         if any(p.k > 0 for p in plans):
             self._drafted_at = self._plans
-        elif rows and self._plans - self._drafted_at >= cfg.pool_probe_every * self._backoff:
+        elif (rows and self._plans - self._drafted_at >= cfg.pool_probe_every * self._backoff
+              and (able := [j for j in rows if self._affords_probe(seqs[j], costs, len(seqs))])):
             # the pool probe: no row has drafted for pool_probe_every plans (every row off, and cold: a warm row that
             # is off probes within probe_max plans; too short for its own probe), so the row with the most tokens
-            # left drafts once, and the draft is timed and judged afresh
-            i = max(rows, key=lambda j: (math.inf if seqs[j].remaining is None else seqs[j].remaining, -j))
+            # left among those that afford its prefill drafts once, and the draft is timed and judged afresh
+            i = max(able, key=lambda j: (math.inf if seqs[j].remaining is None else seqs[j].remaining, -j))
             st = states[i]
             st.start_probe(self._plans, seqs[i].draft_lag > 0)
             st.paid_probe = seqs[i].draft_lag > 0
@@ -325,6 +335,13 @@ class GoodputPolicy(SpeculationPolicy):
             plans[i] = self._drafting(st, ks[i], stop, worth[i])
             self._drafted_at = self._plans
         return plans
+
+    def _affords_probe(self, seq: SeqInfo, costs: StepCosts, batch: int) -> bool:
+        """Whether a probe's draft prefill, C * lag, is within probe_budget of the time the row's remaining tokens
+        take at target-only speed, remaining * V(B) (a row of unknown length affords it; a warm row pays none)."""
+        if seq.draft_lag == 0 or seq.remaining is None:
+            return True
+        return costs.draft_context(seq.draft_lag) <= self.config.probe_budget * seq.remaining * costs.verify(batch)
 
     def _drafting(self, st: _State, k: int, stop: DraftStop, worth: float) -> Plan:
         return Plan(k, p_next=st.pbar, accept_model=self._models[st.greedy].row_model(st.x), stop=stop, worth=worth)
