@@ -1,4 +1,4 @@
-"""Sampling: logits processors, the draft's sparse top-K distribution, and lossless verification.
+"""Sampling: logits processors and the draft's sparse top-K distribution (verification: dsde_core/verify.py).
 
 Shapes: V = vocabulary, K = draft top-K (what crosses from draft to target), k = draft tokens this step.
 """
@@ -125,9 +125,29 @@ def penalize(logits: torch.Tensor, history: History, drafts: Sequence[int], para
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The target's sampling distribution p: logits [n, V] fp32 -> probs [n, V] (temperature > 0 only)."""
+    """The target's sampling distribution p: logits [n, V] fp32 -> probs [n, V] (temperature > 0 only). One row's
+    definition of what batch_probs computes for a batch (the verifier's path; tests hold the two equal)."""
     assert params.temperature > 0, "greedy requests are verified on the argmax"
     return torch.softmax(_filter(logits / params.temperature, params.top_k, params.top_p, params.min_p), dim=-1)
+
+
+def batch_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                min_p: torch.Tensor) -> torch.Tensor:
+    """target_probs for N positions at once, each with its request's parameters: logits [N, V] fp32 and [N] each
+    (temperature > 0; top_k 0, top_p 1 and min_p 0 filter nothing) -> probs [N, V]. _filter's filters as dense ops
+    on one descending sort: z = logits / T; top-k keeps z >= the k-th largest; top-p drops a token once the mass
+    before it in the sorted order reaches top_p; min-p drops z < z_max + log(min_p)."""
+    z = logits / temperature[:, None]  # [N, V]
+    v = z.shape[-1]
+    ranked, order = torch.sort(z, dim=-1, descending=True)  # [N, V]
+    k = torch.where((top_k > 0) & (top_k < v), top_k, v).clamp(min=1)  # [N]
+    ranked = ranked.masked_fill(ranked < ranked.gather(-1, (k - 1)[:, None]), float("-inf"))  # top-k
+    probs = torch.softmax(ranked, dim=-1)
+    drop = ((probs.cumsum(-1) - probs) >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    drop[:, 0] = False  # the first token always stays
+    floor = ranked[:, :1] + torch.log(min_p.clamp(min=1e-30))[:, None]  # [N, 1]
+    drop |= (ranked < floor) & (min_p > 0)[:, None]
+    return torch.zeros_like(z).scatter_(-1, order, torch.softmax(ranked.masked_fill(drop, float("-inf")), dim=-1))
 
 
 @dataclass(frozen=True)
@@ -197,46 +217,3 @@ def sample_draft(dist: DraftDist, gen: torch.Generator) -> int:
     """Draw the draft token from exactly the distribution that is shipped to the verifier."""
     j = torch.multinomial(dist.q_sample, 1, generator=gen).item()
     return int(dist.ids[j])
-
-
-def verify_greedy(logits: torch.Tensor, draft_tokens: list[int]) -> list[int]:
-    """logits [k+1, V]. Accept while the draft token equals the target argmax; then emit the target argmax
-    at the first mismatch, or the bonus argmax at position k+1 when all k pass. Returns accepted + 1 tokens."""
-    target = logits.argmax(-1).tolist()  # [k+1]
-    out: list[int] = []
-    for j, x in enumerate(draft_tokens):
-        if x != target[j]:
-            break
-        out.append(x)
-    out.append(target[len(out)])
-    return out
-
-
-def verify_stochastic(
-    p: torch.Tensor, draft_tokens: list[int], dists: list[DraftDist], gen: torch.Generator
-) -> list[int]:
-    """Rejection sampling (Leviathan et al. 2023; Chen et al. 2023). p [k+1, V] target probs.
-
-    For j = 1..k: accept x_j with probability min(1, p_j(x_j) / q_j(x_j)). At the first rejection emit a
-    sample of norm(max(0, p_j - q_j)) and stop. If all k pass, emit a bonus sample of p_{k+1}.
-    The emitted tokens are then distributed exactly as target-only sampling from p.
-    """
-    out: list[int] = []
-    for j, x in enumerate(draft_tokens):
-        d = dists[j]
-        q_x = float(d.q_sample[(d.ids == x).nonzero()[0, 0]])
-        p_x = float(p[j, x])
-        u = float(torch.rand((), generator=gen))
-        if u * q_x < p_x:  # u < p/q, without dividing by a q that may be tiny
-            out.append(x)
-            continue
-        residual = p[j].clone()  # [V]
-        residual.index_add_(0, d.ids, -d.q_sample.to(residual.dtype))
-        residual.clamp_(min=0.0)
-        total = float(residual.sum())
-        # total == 0 only when p == q on the support, where a rejection has probability 0
-        row = residual / total if total > 0 else p[j]
-        out.append(int(torch.multinomial(row, 1, generator=gen)))
-        return out
-    out.append(int(torch.multinomial(p[len(draft_tokens)], 1, generator=gen)))
-    return out

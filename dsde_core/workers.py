@@ -13,8 +13,9 @@ A draft given a window (EngineConfig.draft_window, off by default) starts an emp
 A catch-up task may carry a limit: a prefill fed in chunks (EngineConfig.prefill_chunk) takes in that many tokens a
 call, and the prefix match picks up where the last chunk ended.
 
-Sampling, verification and the KLD signal run on the host: a forward's logits come back to the CPU once (a no-op
-on a CPU device), where each request's generator lives, so a seed draws the same tokens on any device.
+Sampling and the KLD signal run on the host: a forward's logits come back to the CPU once (a no-op on a CPU device),
+where each request's generator lives, so a seed draws the same tokens on any device. Verification is one batched
+rejection sampler over the step's rows (dsde_core/verify.py), fed the uniforms each request's generator draws.
 """
 
 from __future__ import annotations
@@ -34,18 +35,17 @@ from dsde_core.sampling import (
     History,
     TokenLogprob,
     add_bias,
+    batch_probs,
     draft_dist,
     hold_stops,
     make_generator,
     penalize,
     sample_draft,
     signal_temperature,
-    target_probs,
     token_logprobs,
-    verify_greedy,
-    verify_stochastic,
 )
 from dsde_core.signals import sparse_kld_at
+from dsde_core.verify import draw_uniforms, pack_drafts, verify_batch
 
 
 @dataclass
@@ -252,19 +252,17 @@ class TargetWorker(_Worker):
         verified = [e - k - 1 + j for t, e, k in zip(tasks, ends, ks, strict=True) if not t.partial
                     for j in range(k + 1)]  # the last k+1 rows of each judged sequence
         logits = self.runner.head(h if len(verified) == len(h) else h[verified]).cpu() if verified else None
-        verdicts, row = [], 0
+        judged = [t for t in tasks if not t.partial]
+        verdicts = dict(zip((t.slot for t in judged), self._judge(judged, logits), strict=True))
+        out = []
         for t, feed, k, n, end in zip(tasks, feeds, ks, ns, ends, strict=True):
             s = self.slots[t.slot]
             s.cached.extend(feed)
-            if t.partial:  # a prefill's chunk: cached, nothing to judge
-                v = Verdict(t.slot, [], 0, [])
-            else:
-                v = self._judge(s, t.slot, logits[row : row + k + 1], t.proposal)  # [k+1, V]
-                row += k + 1
+            v = Verdict(t.slot, [], 0, []) if t.partial else verdicts[t.slot]  # a prefill's chunk: nothing judged
             if t.prompt_logprobs is not None:
                 v.prompt_logprobs = self._score(s, h[end - n : end], feed, k, t)
-            verdicts.append(v)
-        return verdicts
+            out.append(v)
+        return out
 
     def _score(self, s: _Slot, h: torch.Tensor, feed: list[int], k: int, t: VerifyTask) -> list[TokenLogprob]:
         """The fed context tokens' log-probabilities from their hidden states h [len(feed), D]: row i predicts fed
@@ -276,22 +274,61 @@ class TargetWorker(_Worker):
         s.score_row = h[-1] if t.partial else None
         return token_logprobs(rows, toks, t.prompt_logprobs, self.runner.head)
 
-    def _judge(self, s: _Slot, slot: int, raw: torch.Tensor, prop: Proposal | None) -> Verdict:
-        drafts = prop.tokens if prop else []
-        logits = s.process(raw, drafts)  # [k+1, V]: what the request samples from (raw without a bias or penalty)
-        if s.params.greedy:
-            tokens = verify_greedy(logits, drafts)
-        else:
-            dists = prop.dists if prop else []
-            tokens = verify_stochastic(target_probs(logits, s.params), drafts, dists, s.gen)
-        kld: list[float] = []
-        if drafts:
-            # signal: KL(p || q) at every proposed position (also after the first rejection), signal temperature;
-            # p at the K draft ids is exp(z_ids - logsumexp(z)): no full-vocabulary softmax
-            z = logits[: len(drafts)] / signal_temperature(s.params)  # [k, V]
-            ids = torch.stack([d.ids for d in prop.dists])  # [k, K]
-            p_ids = (z.gather(-1, ids) - torch.logsumexp(z, dim=-1, keepdim=True)).exp()  # [k, K]
-            q_sig = torch.stack([d.q_signal for d in prop.dists])  # [k, K]
-            kld = sparse_kld_at(p_ids, q_sig).tolist()
-        n = s.params.logprobs
-        return Verdict(slot, tokens, len(tokens) - 1, kld, None if n is None else token_logprobs(raw, tokens, n))
+    def _judge(self, tasks: list[VerifyTask], logits: torch.Tensor) -> list[Verdict]:
+        """The verdicts of the judged rows, whose positions' logits are packed in `logits` [N, V] (row i's k_i + 1
+        in order). Each row's logits are processed for its request (stop tokens held, logit bias, penalties: its own
+        tables), then the batch goes at once, packed (a ragged batch costs what its positions do): the sampled rows'
+        distributions (sampling.batch_probs), one rejection sampler (verify.verify_batch) and the KLD signal at
+        every drafted position, read back together."""
+        if not tasks:
+            return []
+        slots = [self.slots[t.slot] for t in tasks]
+        drafts = [t.proposal.tokens if t.proposal else [] for t in tasks]
+        dists = [t.proposal.dists if t.proposal else [] for t in tasks]
+        lens = [len(d) + 1 for d in drafts]
+        offsets = [0, *itertools.accumulate(lens)][:-1]
+        raws = list(torch.split(logits, lens))  # [k_i + 1, V] each
+        processed = [s.process(raw, d) for s, raw, d in zip(slots, raws, drafts, strict=True)]
+        z = logits if all(p is r for p, r in zip(processed, raws, strict=True)) else torch.cat(processed)  # [N, V]
+        greedy = [s.params.greedy for s in slots]
+        sampled = [r for r, g in enumerate(greedy) if not g]
+        target, u = z, torch.zeros(len(tasks), max(lens))  # u [R, k + 1]: a sampled row's acceptance uniforms, then
+        if sampled:  # its emission one (last column)
+            pos = torch.tensor([offsets[r] + j for r in sampled for j in range(lens[r])])  # [S] sampled positions
+            per_pos = [slots[r].params for r in sampled for _ in range(lens[r])]
+            probs = batch_probs(z[pos], *(torch.tensor([getattr(p, f) for p in per_pos])
+                                          for f in ("temperature", "top_k", "top_p", "min_p")))  # [S, V]
+            target = probs if len(sampled) == len(tasks) else z.index_copy(0, pos, probs)
+            for r in sampled:
+                draws = draw_uniforms(slots[r].gen, len(drafts[r]))  # [k_r + 1]
+                u[r, : len(drafts[r])], u[r, -1] = draws[:-1], draws[-1]
+        stacked = [[torch.stack([getattr(x, f) for x in ds]) if ds else None for ds in dists]
+                   for f in ("ids", "q_sample")]
+        top_k = max((len(x.ids) for ds in dists for x in ds), default=1)
+        tokens, accepted = verify_batch(target, torch.tensor(offsets), torch.tensor(greedy),
+                                        *pack_drafts(drafts, *stacked, top_k=top_k), u, all(greedy))
+        kld = self._kld(z, slots, drafts, dists, offsets)
+        verdicts = []
+        for t, s, raw, toks, a, row_kld in zip(tasks, slots, raws, tokens.tolist(), accepted.tolist(), kld,
+                                               strict=True):
+            emitted, n = toks[: a + 1], s.params.logprobs
+            lps = None if n is None else token_logprobs(raw, emitted, n)
+            verdicts.append(Verdict(t.slot, emitted, a, row_kld, lps))
+        return verdicts
+
+    @staticmethod
+    def _kld(z: torch.Tensor, slots: list[_Slot], drafts: list[list[int]], dists: list[list[DraftDist]],
+             offsets: list[int]) -> list[list[float]]:
+        """The signal: KL(p || q) at every drafted position (also after the first rejection), at each request's signal
+        temperature, over the packed drafted positions; p at the K draft ids is exp(z_ids - logsumexp(z)): no
+        full-vocabulary softmax."""
+        pos = [offsets[r] + j for r, d in enumerate(drafts) for j in range(len(d))]
+        if not pos:
+            return [[] for _ in drafts]
+        t_sig = torch.tensor([signal_temperature(s.params) for s, d in zip(slots, drafts, strict=True) for _ in d])
+        zs = z[torch.tensor(pos)] / t_sig[:, None]  # [D, V]
+        ids = torch.stack([x.ids for ds in dists for x in ds])  # [D, K]
+        p_ids = (zs.gather(-1, ids) - torch.logsumexp(zs, dim=-1, keepdim=True)).exp()  # [D, K]
+        flat = sparse_kld_at(p_ids, torch.stack([x.q_signal for ds in dists for x in ds])).tolist()  # [D]
+        cuts = [0, *itertools.accumulate(len(d) for d in drafts)]
+        return [flat[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]

@@ -9,16 +9,8 @@ from scipy.stats import chisquare
 
 from dsde_core.config import SamplingParams
 from dsde_core.errors import ConfigError
-from dsde_core.sampling import (
-    DraftDist,
-    History,
-    draft_dist,
-    penalize,
-    sample_draft,
-    target_probs,
-    verify_greedy,
-    verify_stochastic,
-)
+from dsde_core.sampling import History, batch_probs, draft_dist, penalize, target_probs
+from dsde_core.verify import inverse_cdf, verify_batch
 
 V = 6
 P = torch.tensor([
@@ -31,18 +23,16 @@ Q_IDS = torch.tensor([[0, 1, 2, 5], [3, 4, 5, 0]])
 Q_PROBS = torch.tensor([[0.10, 0.50, 0.30, 0.10], [0.10, 0.60, 0.20, 0.10]])
 
 
-def _dists() -> list[DraftDist]:
-    return [DraftDist(Q_IDS[j], Q_PROBS[j], Q_PROBS[j], 0.0) for j in range(2)]
-
-
 def _draws(n: int, seed: int = 0) -> list[list[int]]:
+    """n independent steps of two drafted tokens, each drawn from its q by inverse CDF, verified by the batched
+    sampler: the tokens each step emits."""
     gen = torch.Generator().manual_seed(seed)
-    dists = _dists()
-    out = []
-    for _ in range(n):
-        drafts = [sample_draft(d, gen) for d in dists]
-        out.append(verify_stochastic(P, drafts, dists, gen))
-    return out
+    j = inverse_cdf(Q_PROBS.repeat(n, 1, 1), torch.rand(n, 2, generator=gen))  # [n, 2]: index into the K ids
+    drafts = Q_IDS.repeat(n, 1, 1).gather(-1, j[..., None]).squeeze(-1)  # [n, 2]
+    tokens, accepted = verify_batch(P.repeat(n, 1), 3 * torch.arange(n), torch.zeros(n, dtype=torch.bool), drafts,
+                                    torch.full((n,), 2), Q_IDS.repeat(n, 1, 1), Q_PROBS.repeat(n, 1, 1),
+                                    torch.rand(n, 3, generator=gen))
+    return [row[: a + 1] for row, a in zip(tokens.tolist(), accepted.tolist(), strict=True)]
 
 
 def _assert_matches(samples: list[int], p: torch.Tensor) -> None:
@@ -82,22 +72,33 @@ def test_acceptance_rate_is_sum_of_min_p_q(draws: list[list[int]]) -> None:
 
 def test_draft_equal_to_target_is_always_accepted() -> None:
     gen = torch.Generator().manual_seed(1)
-    ids = torch.arange(V)
-    p = P[0].repeat(3, 1)
-    dists = [DraftDist(ids, P[0], P[0], 0.0)] * 2
-    for _ in range(200):
-        drafts = [sample_draft(d, gen) for d in dists]
-        assert verify_stochastic(p, drafts, dists, gen)[:2] == drafts
+    n, ids = 200, torch.arange(V).repeat(200, 2, 1)  # [n, 2, V]: the draft's support is the whole vocabulary
+    q = P[0].repeat(n, 2, 1)  # [n, 2, V]: q = p at both positions
+    drafts = inverse_cdf(q, torch.rand(n, 2, generator=gen))  # [n, 2]
+    _, accepted = verify_batch(P[0].repeat(3 * n, 1), 3 * torch.arange(n), torch.zeros(n, dtype=torch.bool), drafts,
+                               torch.full((n,), 2), ids, q, torch.rand(n, 3, generator=gen))
+    assert accepted.tolist() == [2] * n
 
 
 def test_greedy_verification_accepts_the_matching_prefix() -> None:
     logits = torch.full((4, V), -1.0)
     for j, t in enumerate([2, 3, 1, 5]):  # target argmax per position
         logits[j, t] = 1.0
-    assert verify_greedy(logits, [2, 3, 1]) == [2, 3, 1, 5]  # all accepted + bonus
-    assert verify_greedy(logits, [2, 4, 1]) == [2, 3]  # mismatch at position 2: emit the target's token
-    assert verify_greedy(logits, [0, 3, 1]) == [2]
-    assert verify_greedy(logits[:1], []) == [2]  # target-only step
+
+    def verify(drafts: list[int]) -> list[int]:
+        k = len(drafts)
+        one_hot = torch.zeros(1, max(k, 1), 1)  # a greedy draft's q: one-hot on its token
+        one_hot[..., 0] = 1.0
+        tokens, accepted = verify_batch(logits[: k + 1], torch.tensor([0]), torch.tensor([True]),
+                                        torch.tensor([drafts or [0]])[:, :k], torch.tensor([k]),
+                                        torch.tensor([drafts or [0]])[..., None][:, :k], one_hot[:, :k],
+                                        torch.zeros(1, k + 1))
+        return tokens[0, : int(accepted[0]) + 1].tolist()
+
+    assert verify([2, 3, 1]) == [2, 3, 1, 5]  # all accepted + bonus
+    assert verify([2, 4, 1]) == [2, 3]  # mismatch at position 2: emit the target's token
+    assert verify([0, 3, 1]) == [2]
+    assert verify([]) == [2]  # target-only step
 
 
 def test_draft_dist_greedy_is_one_hot_and_signal_keeps_the_rest_mass() -> None:
@@ -169,3 +170,18 @@ def test_min_p_drops_tokens_under_a_fraction_of_the_likeliest() -> None:
     d = draft_dist(logits[0], SamplingParams(temperature=1.0, min_p=0.35), top_k=3)
     assert torch.allclose(d.q_sample, torch.tensor([0.625, 0.375, 0.0]))
     assert torch.allclose(target_probs(logits, SamplingParams(temperature=1.0, min_p=0.0)), logits.exp())
+
+
+def test_batch_probs_equals_target_probs_row_by_row() -> None:
+    """The verifier's batched filters against the per-row definition, over positions of mixed parameters (each
+    filter alone, all together, none)."""
+    gen = torch.Generator().manual_seed(4)
+    rows = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
+            for t, k, p, m in [(1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (1.0, 0, 1.0, 0.2),
+                               (0.5, 12, 0.9, 0.05), (2.0, 1, 1.0, 0.0), (1.0, 64, 0.3, 0.0)]]
+    logits = 3 * torch.randn(len(rows), 4, 64, generator=gen)  # [R, 4, V]: 4 positions a request
+    out = batch_probs(logits.view(-1, 64), *(torch.tensor([getattr(p, f) for p in rows]).repeat_interleave(4)
+                                             for f in ("temperature", "top_k", "top_p", "min_p"))).view(-1, 4, 64)
+    for r, params in enumerate(rows):
+        torch.testing.assert_close(out[r], target_probs(logits[r], params), atol=1e-6, rtol=1e-5)
+    assert (out[5] > 0).sum(-1).tolist() == [1] * 4  # top_k 1: one token a position
