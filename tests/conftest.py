@@ -9,6 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# Triton kernels (dsde_core/models/triton_attention.py) run under Triton's interpreter on this CPU: set before any
+# kernel is decorated, i.e. before dsde_core is imported
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def tiny_hf_config(arch: str, **overrides):
     """A small transformers config of one architecture: 3 layers, hidden 64, vocab 256, GQA 4/2 heads."""

@@ -15,11 +15,12 @@ TOL = 1e-4
 class Checked:
     """A runner plus the token history of each slot; every forward is checked against transformers."""
 
-    def __init__(self, hf, num_slots: int = 4, max_seq_len: int = 64, prepack: bool | None = None) -> None:
+    def __init__(self, hf, num_slots: int = 4, max_seq_len: int = 64, prepack: bool | None = None,
+                 attention: str = "torch") -> None:
         self.hf = hf
         model = LlamaModel.from_hf(hf.config, dict(hf.state_dict()), dtype=torch.float32, prepack=prepack)
         assert prepack is None or model.packed == prepack
-        self.runner = ModelRunner(model, num_slots=num_slots, max_seq_len=max_seq_len)
+        self.runner = ModelRunner(model, num_slots=num_slots, max_seq_len=max_seq_len, attention=attention)
         self.seqs: dict[int, list[int]] = {s: [] for s in range(num_slots)}
 
     @torch.no_grad()

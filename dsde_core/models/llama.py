@@ -3,7 +3,9 @@
 Query tokens of all sequences are packed into one [T, hidden] tensor for the linear layers. Attention runs per
 group of sequences (runner.py forms them: a long prompt apart from the rows decoding beside it): it scatters the
 group's queries into a padded [Bg, Qmax] layout, gathers each sequence's keys [0 : len + q_len] from the cache and
-runs SDPA with a boolean mask (in fp32 where every row has one query, on the CPU: Attention.forward).
+runs SDPA with a boolean mask (in fp32 where every row has one query, on the CPU: Attention.forward). A runner made
+with attention="triton" runs the decoding and verifying rows' group through triton_attention.py's kernel instead,
+which reads each row's length at run time and needs neither the gather nor a mask.
 The logits are computed only at the rows the caller asks for.
 Weights use transformers' names (model.layers.N.self_attn.q_proj.weight, ...); q/k/v and gate/up are fused
 at load time.
@@ -19,6 +21,7 @@ from torch import Tensor, nn
 
 from dsde_core.errors import ConfigError, ModelLoadError, UnsupportedArchitectureError
 from dsde_core.models.quant import Int8Linear, int8_supported
+from dsde_core.models.triton_attention import decode_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 # RoPE types whose frequencies change with the sequence length: not implemented.
@@ -131,6 +134,8 @@ class AttnGroup:
     q_dest: Tensor | None = None  # [G] row in the padded [Bg * Qmax] layout; None when every q_len == Qmax
     upcast: bool = False  # attention in fp32 (Attention.forward): one query a row, a half dtype, on the CPU
     causal: bool = False  # one sequence from position 0, no mask: SDPA's is_causal
+    kernel: tuple[Tensor, Tensor, Tensor] | None = None  # (slots, lens, qlens) [Bg] int32: the Triton kernel attends
+    # (triton_attention.decode_attention reads the lengths at run time; no masks are built)
 
 
 @dataclass
@@ -226,7 +231,9 @@ class Attention(nn.Module):
     def _attend(self, q: Tensor, g: AttnGroup, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         """q [G, h, hd], the group's queries, after the cache holds their keys -> attention output [G, h * hd]."""
         h, hd, Qm = q.shape[1], q.shape[2], g.max_q
-        if g.single is not None:
+        if g.kernel is not None:
+            Bg = g.kernel[0].shape[0]
+        elif g.single is not None:
             (slot, end), Bg = g.single, 1
             keys, vals = k_cache[slot : slot + 1, :, :end], v_cache[slot : slot + 1, :, :end]  # [1, kvh, K, hd]
         else:
@@ -235,6 +242,10 @@ class Attention(nn.Module):
             vals = v_cache[:, :, : g.max_k].index_select(0, g.slots)
         if g.q_dest is not None:
             q = q.new_zeros(Bg * Qm, h, hd).index_copy_(0, g.q_dest, q)
+        if g.kernel is not None:
+            o = decode_attention(q.view(Bg, Qm, h, hd), k_cache, v_cache, *g.kernel, window=self.window)
+            o = o.reshape(Bg * Qm, h * hd)  # [Bg * Qmax, h * hd]
+            return o if g.q_dest is None else o.index_select(0, g.q_dest)
         qp = q.view(Bg, Qm, h, hd).transpose(1, 2)  # [Bg, h, Qmax, hd]
         mask, gqa = g.masks[self.window], self.kvh != h
         if g.upcast:

@@ -8,6 +8,7 @@ from typing import Protocol
 import torch
 
 from dsde_core.errors import ConfigError
+from dsde_core.models import triton_attention
 from dsde_core.models.kv_cache import KVCache
 from dsde_core.models.llama import AttnGroup, Batch, LlamaModel
 
@@ -37,7 +38,14 @@ class Runner(Protocol):
 class ModelRunner:
     """Prefill, single-token decode and multi-token verification, mixed freely in one `forward` call."""
 
-    def __init__(self, model: LlamaModel, num_slots: int, max_seq_len: int) -> None:
+    def __init__(self, model: LlamaModel, num_slots: int, max_seq_len: int, attention: str = "torch") -> None:
+        """attention: "torch" (gather, mask, SDPA) or "triton" (triton_attention's kernel for the rows of up to
+        ALONE_Q query tokens: on CUDA, or on the CPU under TRITON_INTERPRET=1 for tests). Triton is opt-in until the
+        GPU check (docs/benchmarks.md) has timed it on a device."""
+        if attention not in ("torch", "triton"):
+            raise ConfigError(f"attention must be torch or triton, got {attention!r}")
+        if attention == "triton" and not triton_attention.available():
+            raise ConfigError("attention='triton' needs Triton installed (pip install triton)")
         a = model.args
         self.model = model
         self.vocab_size: int = a.vocab_size
@@ -47,6 +55,7 @@ class ModelRunner:
         self.windows = sorted(set(a.sliding_windows), key=lambda w: -1 if w is None else w)
         # one query a row (decode, draft levels) on the CPU in a half dtype: attention in fp32 (llama.py, Attention)
         self.upcast_single_query = self.device.type == "cpu" and model.dtype != torch.float32
+        self.kernel = attention == "triton"
 
     def length(self, slot: int) -> int:
         return self.cache.length(slot)
@@ -137,6 +146,8 @@ class ModelRunner:
         """The attention group of batch rows `members` (whole: they are the whole batch, so no rows to select)."""
         dev = self.device
         rows = None if whole else torch.cat([torch.arange(offsets[i], offsets[i] + qlens[i]) for i in members]).to(dev)
+        if self.kernel and max(qlens[i] for i in members) <= ALONE_Q:
+            return self._kernel_group(members, slots, starts, qlens, rows)
         if len(members) == 1:
             i = members[0]
             end = starts[i] + qlens[i]
@@ -160,6 +171,20 @@ class ModelRunner:
         return AttnGroup(max_q, max_k, {w: self._mask(qpos, max_k, w) for w in self.windows}, rows,
                          slots=torch.tensor([slots[i] for i in members]).to(dev), q_dest=q_dest,
                          upcast=max_q == 1 and self.upcast_single_query)
+
+    def _kernel_group(self, members: list[int], slots: list[int], starts: list[int], qlens: list[int],
+                      rows: torch.Tensor | None) -> AttnGroup:
+        """The decoding and verifying rows' group for the Triton kernel: their slots, lengths with this step's tokens
+        and query lengths, and where their queries sit in the padded [Bg * Qmax] layout."""
+        qlens_g = [qlens[i] for i in members]
+        max_q = max(qlens_g)
+        q_dest = None
+        if any(q != max_q for q in qlens_g):
+            q_dest = torch.cat([torch.arange(j * max_q, j * max_q + q) for j, q in enumerate(qlens_g)]).to(self.device)
+        meta = torch.tensor([[slots[i] for i in members], [starts[i] + qlens[i] for i in members], qlens_g],
+                            dtype=torch.int32).to(self.device)  # [3, Bg]: one copy
+        end = max(starts[i] + qlens[i] for i in members)
+        return AttnGroup(max_q, end, {}, rows, q_dest=q_dest, kernel=(meta[0], meta[1], meta[2]))
 
     @staticmethod
     def _mask(qpos: torch.Tensor, max_k: int, window: int | None) -> torch.Tensor | None:
