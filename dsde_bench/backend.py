@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from dsde_core.config import EngineConfig
+from dsde_core.cpuinfo import cpu_info
 from dsde_core.engine import Engine
 from dsde_core.models.loader import DEFAULT_DRAFT, DEFAULT_TARGET
 from dsde_core.policies import make_policy
@@ -46,7 +47,7 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "cpu_count": _cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_info()[0],
         "cpu_flags": _cpu_flags(),
     }
     try:
@@ -78,23 +79,8 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8")  # what s
 
 def _cpu_flags() -> str:
     """The CPU_FLAGS this CPU reports ('' where /proc/cpuinfo cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            flags = next((line.split(":", 1)[1].split() for line in fh if line.startswith("flags")), [])
-    except OSError:
-        return ""
+    flags = cpu_info()[1]
     return " ".join(f for f in CPU_FLAGS if f in flags)
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def load_backend(draft: str = DEFAULT_DRAFT, target: str = DEFAULT_TARGET, dtype: str = "bfloat16",

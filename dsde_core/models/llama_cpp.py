@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from dsde_core.cpuinfo import cpu_info
 from dsde_core.errors import ConfigError, DSDEError, ModelLoadError
 from dsde_core.models.packaged import EMBEDDED, PackagedModel, cache_root, join_parts, locate_parts
 
@@ -112,12 +113,8 @@ _BACKEND_READY = False
 
 
 def cpu_has_amx() -> bool:
-    """Whether this CPU reports AMX int8 tiles (Linux /proc/cpuinfo; False where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and "amx_int8" in line.split() for line in f)
-    except OSError:
-        return False
+    """Whether this CPU reports AMX int8 tiles (False where /proc/cpuinfo cannot be read)."""
+    return "amx_int8" in cpu_info()[1]
 
 
 class _BuftOverride(ctypes.Structure):
