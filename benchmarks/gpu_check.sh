@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one call of a lent machine (docs/benchmarks.md, "On a GPU"): the engine's tests with the tiny
-# models on CUDA (lossless speculation, sampling, the cost-aware policy, recovery), then the embedded pair's step
-# costs there (benchmarks/gpu_costs.py). Needs python3 with torch (CUDA), transformers and pytest; writes to $OUT.
+# models on CUDA (lossless speculation, sampling, the cost-aware policy, recovery), the embedded pair's step costs
+# there (benchmarks/gpu_costs.py), then the device step's parts (benchmarks/gpu_step.py: the Triton attention kernel
+# against the torch path, the batched sampler on the device). Needs python3 with torch (CUDA), Triton, transformers
+# and pytest; writes to $OUT.
 # Usage: OUT=DIR benchmarks/gpu_check.sh CONFIGS_DIR   (CONFIGS_DIR holds target.json and draft.json)
 set -uo pipefail
 configs=${1:?usage: gpu_check.sh CONFIGS_DIR}
@@ -18,3 +20,6 @@ echo "pytest rc ${PIPESTATUS[0]}"
 timeout 240 python3 benchmarks/gpu_costs.py --configs "$configs" --out "$out/costs_gpu.json" 2>&1 \
   | tee "$out/gpu_costs.log"
 echo "gpu_costs rc ${PIPESTATUS[0]}"
+timeout 300 python3 benchmarks/gpu_step.py --configs "$configs" --out "$out/step_gpu.json" --budget 240 2>&1 \
+  | tee "$out/gpu_step.log"
+echo "gpu_step rc ${PIPESTATUS[0]}"
