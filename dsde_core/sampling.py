@@ -131,22 +131,26 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return torch.softmax(_filter(logits / params.temperature, params.top_k, params.top_p, params.min_p), dim=-1)
 
 
-def batch_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                min_p: torch.Tensor) -> torch.Tensor:
-    """target_probs for N positions at once, each with its request's parameters: logits [N, V] fp32 and [N] each
-    (temperature > 0; top_k 0, top_p 1 and min_p 0 filter nothing) -> probs [N, V]. _filter's filters as dense ops
-    on one descending sort: z = logits / T; top-k keeps z >= the k-th largest; top-p drops a token once the mass
-    before it in the sorted order reaches top_p; min-p drops z < z_max + log(min_p)."""
-    z = logits / temperature[:, None]  # [N, V]
-    v = z.shape[-1]
+def batch_probs(logits: torch.Tensor, temperature: Sequence[float], top_k: Sequence[int], top_p: Sequence[float],
+                min_p: Sequence[float]) -> torch.Tensor:
+    """target_probs for N positions at once, each with its request's parameters: logits [N, V] fp32 and the
+    parameters per position, host values (temperature > 0; top_k 0, top_p 1 and min_p 0 filter nothing) -> probs
+    [N, V]. _filter's filters as dense ops on one descending sort: z = logits / T; top-k keeps z >= the k-th largest;
+    top-p drops a token once the mass before it in the sorted order reaches top_p; min-p drops z < z_max + log(min_p).
+    Where no position filters (known on the host), no sort: softmax(z)."""
+    dev, v = logits.device, logits.shape[-1]
+    z = logits / torch.tensor(temperature, dtype=logits.dtype, device=dev)[:, None]  # [N, V]
+    if all((k == 0 or k >= v) and p >= 1.0 and m == 0.0 for k, p, m in zip(top_k, top_p, min_p, strict=True)):
+        return torch.softmax(z, dim=-1)
     ranked, order = torch.sort(z, dim=-1, descending=True)  # [N, V]
-    k = torch.where((top_k > 0) & (top_k < v), top_k, v).clamp(min=1)  # [N]
+    k = torch.tensor([x if 0 < x < v else v for x in top_k], device=dev)  # [N]
     ranked = ranked.masked_fill(ranked < ranked.gather(-1, (k - 1)[:, None]), float("-inf"))  # top-k
     probs = torch.softmax(ranked, dim=-1)
-    drop = ((probs.cumsum(-1) - probs) >= top_p[:, None]) & (top_p < 1.0)[:, None]
+    top_p_t = torch.tensor(top_p, dtype=probs.dtype, device=dev)[:, None]  # [N, 1]
+    drop = ((probs.cumsum(-1) - probs) >= top_p_t) & (top_p_t < 1.0)
     drop[:, 0] = False  # the first token always stays
-    floor = ranked[:, :1] + torch.log(min_p.clamp(min=1e-30))[:, None]  # [N, 1]
-    drop |= (ranked < floor) & (min_p > 0)[:, None]
+    min_p_t = torch.tensor(min_p, dtype=z.dtype, device=dev)[:, None]  # [N, 1]
+    drop |= (ranked < ranked[:, :1] + torch.log(min_p_t.clamp(min=1e-30))) & (min_p_t > 0)
     return torch.zeros_like(z).scatter_(-1, order, torch.softmax(ranked.masked_fill(drop, float("-inf")), dim=-1))
 
 

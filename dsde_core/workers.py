@@ -296,7 +296,7 @@ class TargetWorker(_Worker):
         if sampled:  # its emission one (last column)
             pos = torch.tensor([offsets[r] + j for r in sampled for j in range(lens[r])])  # [S] sampled positions
             per_pos = [slots[r].params for r in sampled for _ in range(lens[r])]
-            probs = batch_probs(z[pos], *(torch.tensor([getattr(p, f) for p in per_pos])
+            probs = batch_probs(z[pos], *([getattr(p, f) for p in per_pos]
                                           for f in ("temperature", "top_k", "top_p", "min_p")))  # [S, V]
             target = probs if len(sampled) == len(tasks) else z.index_copy(0, pos, probs)
             for r in sampled:

@@ -180,8 +180,13 @@ def test_batch_probs_equals_target_probs_row_by_row() -> None:
             for t, k, p, m in [(1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (1.0, 0, 1.0, 0.2),
                                (0.5, 12, 0.9, 0.05), (2.0, 1, 1.0, 0.0), (1.0, 64, 0.3, 0.0)]]
     logits = 3 * torch.randn(len(rows), 4, 64, generator=gen)  # [R, 4, V]: 4 positions a request
-    out = batch_probs(logits.view(-1, 64), *(torch.tensor([getattr(p, f) for p in rows]).repeat_interleave(4)
-                                             for f in ("temperature", "top_k", "top_p", "min_p"))).view(-1, 4, 64)
+    def batched(ps: list[SamplingParams]) -> torch.Tensor:
+        return batch_probs(logits[: len(ps)].reshape(-1, 64), *([getattr(p, f) for p in ps for _ in range(4)]
+                                                                for f in ("temperature", "top_k", "top_p", "min_p")))
+
+    out = batched(rows).view(-1, 4, 64)
     for r, params in enumerate(rows):
         torch.testing.assert_close(out[r], target_probs(logits[r], params), atol=1e-6, rtol=1e-5)
     assert (out[5] > 0).sum(-1).tolist() == [1] * 4  # top_k 1: one token a position
+    # no position filters: the sort is skipped, the result the same
+    torch.testing.assert_close(batched(rows[:1]), target_probs(logits[0], rows[0]), atol=1e-6, rtol=1e-5)
