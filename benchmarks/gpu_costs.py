@@ -27,9 +27,10 @@ from dsde_core.models.llama import LlamaModel
 from dsde_core.models.runner import ModelRunner
 
 
-def random_model(config_path: Path, dtype: torch.dtype, device: str) -> tuple[LlamaModel, dict[str, Any]]:
-    """A LlamaModel of the config's shapes with N(0, 0.02) weights (norms at 1), built on `device`."""
-    raw = json.loads(config_path.read_text())
+def random_model(config: Path | dict[str, Any], dtype: torch.dtype, device: str) -> tuple[LlamaModel, dict[str, Any]]:
+    """A LlamaModel of the config's shapes (a config.json, or its contents) with N(0, 0.02) weights (norms at 1),
+    built on `device`."""
+    raw = config if isinstance(config, dict) else json.loads(config.read_text())
     config = Qwen2Config(**{k: v for k, v in raw.items() if not k.startswith("_")})
     with torch.device("meta"):
         names = {k: v.shape for k, v in Qwen2ForCausalLM(config).state_dict().items()}

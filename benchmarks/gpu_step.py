@@ -149,13 +149,9 @@ def main() -> None:
     time_fn = timer(args.device)
     models = {}
     for role in ("target", "draft"):
-        path = args.out.parent / f".{role}-tiny.json" if args.tiny else args.configs / f"{role}.json"
-        if args.tiny:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({**TINY, "num_hidden_layers": 2 if role == "target" else 1}))
-        models[role] = random_model(path, dtype, args.device)
-        if args.tiny:
-            path.unlink()
+        config = {**TINY, "num_hidden_layers": 2 if role == "target" else 1} if args.tiny else \
+            args.configs / f"{role}.json"
+        models[role] = random_model(config, dtype, args.device)
     batches, queries, contexts = ([int(x) for x in v.split(",")] for v in (args.batches, args.queries, args.contexts))
     bandwidth = copy_bandwidth(args.device, (1 << 30) if args.device.startswith("cuda") else (1 << 24), time_fn)
     doc: dict[str, Any] = {

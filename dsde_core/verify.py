@@ -87,11 +87,12 @@ def _sample_at(p_a: torch.Tensor, accepted: torch.Tensor, num_drafts: torch.Tens
 
 
 def pack_drafts(drafts: Sequence[Sequence[int]], ids: Sequence[torch.Tensor | None],
-                *probs: Sequence[torch.Tensor | None], top_k: int) -> tuple[torch.Tensor, ...]:
-    """Rows of drafted tokens, their sparse distributions' ids [k_r, K] and any number of probability tables over
-    those ids [k_r, K] (None for k_r = 0) -> the padded (drafts [R, k], num_drafts [R], q_ids [R, k, K], *probs
-    [R, k, K]) that verify_batch takes, k = max k_r; padding has id 0 and probability 0."""
+                *probs: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
+    """Rows of drafted tokens, their sparse distributions' ids [k_r, K_r] and any number of probability tables over
+    those ids [k_r, K_r] (None for k_r = 0) -> the padded (drafts [R, k], num_drafts [R], q_ids [R, k, K], *probs
+    [R, k, K]) that verify_batch takes, k = max k_r, K = max K_r; padding has id 0 and probability 0."""
     rows, k = len(drafts), max((len(d) for d in drafts), default=0)
+    top_k = max((i.shape[-1] for i in ids if i is not None), default=1)
     out_drafts = torch.zeros(rows, k, dtype=torch.long)
     q_ids = torch.zeros(rows, k, top_k, dtype=torch.long)
     tables = [torch.zeros(rows, k, top_k) for _ in probs]

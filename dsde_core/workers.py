@@ -304,9 +304,8 @@ class TargetWorker(_Worker):
                 u[r, : len(drafts[r])], u[r, -1] = draws[:-1], draws[-1]
         stacked = [[torch.stack([getattr(x, f) for x in ds]) if ds else None for ds in dists]
                    for f in ("ids", "q_sample")]
-        top_k = max((len(x.ids) for ds in dists for x in ds), default=1)
         tokens, accepted = verify_batch(target, torch.tensor(offsets), torch.tensor(greedy),
-                                        *pack_drafts(drafts, *stacked, top_k=top_k), u, all(greedy))
+                                        *pack_drafts(drafts, *stacked), u, all(greedy))
         kld = self._kld(z, slots, drafts, dists, offsets)
         verdicts = []
         for t, s, raw, toks, a, row_kld in zip(tasks, slots, raws, tokens.tolist(), accepted.tolist(), kld,

@@ -62,7 +62,7 @@ def _packed(rows: list) -> tuple:
     u = torch.zeros(len(rows), length)
     for i, (_, _, drafts, _, _, draws) in enumerate(rows):
         u[i, : len(drafts)], u[i, -1] = draws[:-1], draws[-1]
-    packed = pack_drafts([r[2] for r in rows], [r[3] for r in rows], [r[4] for r in rows], top_k=8)
+    packed = pack_drafts([r[2] for r in rows], [r[3] for r in rows], [r[4] for r in rows])
     return (target, offsets, torch.tensor([r[1] for r in rows]), *packed, u)
 
 

@@ -161,11 +161,7 @@ class ModelRunner:
         qlens_g = torch.tensor([qlens[i] for i in members])  # [Bg]
         starts_g = torch.tensor([starts[i] for i in members])
         max_q, max_k = int(qlens_g.max()), int((starts_g + qlens_g).max())
-        seq_of_tok = torch.repeat_interleave(torch.arange(len(members)), qlens_g)  # [G]
-        local = torch.cumsum(qlens_g, 0) - qlens_g  # [Bg] offsets inside the group
-        q_dest = None
-        if any(qlens[i] != max_q for i in members):
-            q_dest = (seq_of_tok * max_q + torch.arange(len(seq_of_tok)) - local[seq_of_tok]).to(dev)
+        q_dest = self._q_dest(qlens_g.tolist(), max_q)
         # padded query positions [Bg, Qmax]; padding rows repeat the last real position so no row is fully masked
         qpos = (starts_g[:, None] + torch.minimum(torch.arange(max_q)[None, :], qlens_g[:, None] - 1)).to(dev)
         return AttnGroup(max_q, max_k, {w: self._mask(qpos, max_k, w) for w in self.windows}, rows,
@@ -178,13 +174,18 @@ class ModelRunner:
         and query lengths, and where their queries sit in the padded [Bg * Qmax] layout."""
         qlens_g = [qlens[i] for i in members]
         max_q = max(qlens_g)
-        q_dest = None
-        if any(q != max_q for q in qlens_g):
-            q_dest = torch.cat([torch.arange(j * max_q, j * max_q + q) for j, q in enumerate(qlens_g)]).to(self.device)
+        q_dest = self._q_dest(qlens_g, max_q)
         meta = torch.tensor([[slots[i] for i in members], [starts[i] + qlens[i] for i in members], qlens_g],
                             dtype=torch.int32).to(self.device)  # [3, Bg]: one copy
         end = max(starts[i] + qlens[i] for i in members)
         return AttnGroup(max_q, end, {}, rows, q_dest=q_dest, kernel=(meta[0], meta[1], meta[2]))
+
+    def _q_dest(self, qlens: list[int], max_q: int) -> torch.Tensor | None:
+        """[G]: each query token's row in the padded [Bg * Qmax] layout (sequence j's at j * Qmax on); None when
+        every sequence has Qmax queries."""
+        if all(q == max_q for q in qlens):
+            return None
+        return torch.cat([torch.arange(j * max_q, j * max_q + q) for j, q in enumerate(qlens)]).to(self.device)
 
     @staticmethod
     def _mask(qpos: torch.Tensor, max_k: int, window: int | None) -> torch.Tensor | None:
