@@ -13,7 +13,9 @@ at load time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -180,22 +182,64 @@ def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.float32
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x [T, D] -> weight * x / rms(x), in transformers' op order: normalize in fp32, cast back, then scale."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
-    def forward(self, x: Tensor) -> Tensor:
-        # same op order as transformers: normalize in fp32, cast back, then scale
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(x + residual, its rms_norm): a residual add and the norm after it."""
+    x = x + residual
+    return x, rms_norm(x, weight, eps)
 
 
 def rotate_half(x: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def rope(qk: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """qk [T, heads, hd] rotated by its positions' cos, sin [T, 1, hd]."""
+    return qk * cos + rotate_half(qk) * sin
+
+
+def act_mul(gate_up: Tensor, act: nn.Module) -> Tensor:
+    """[T, 2 * I] (gate ; up) -> act(gate) * up [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return act(gate) * up
+
+
+@dataclass(frozen=True)
+class SmallOps:
+    """The per-layer small ops between the matmuls. Eager by default; LlamaModel.fuse swaps in FUSED's, each
+    compiled by torch.compile into a kernel or two (on a GPU: a few launches a layer fewer, under a captured graph)."""
+
+    rms_norm: Callable[..., Tensor] = rms_norm
+    add_rms_norm: Callable[..., tuple[Tensor, Tensor]] = add_rms_norm
+    rope: Callable[..., Tensor] = rope
+    act_mul: Callable[..., Tensor] = act_mul
+
+
+EAGER = SmallOps()
+
+
+@lru_cache(maxsize=1)
+def fused_ops() -> SmallOps:
+    """SmallOps compiled once a process (dynamic in the token count, so every bucket shares one compilation)."""
+    return SmallOps(*(torch.compile(f, dynamic=True) for f in (rms_norm, add_rms_norm, rope, act_mul)))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.ops = EAGER
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -205,13 +249,14 @@ class Attention(nn.Module):
         self.window = window
         self.wqkv = nn.Linear(a.hidden_size, (self.h + 2 * self.kvh) * self.hd, bias=a.qkv_bias)
         self.o_proj = nn.Linear(self.h * self.hd, a.hidden_size, bias=a.o_bias)
+        self.ops = EAGER
 
     def forward(self, x: Tensor, b: Batch, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         # x [T, D]; k_cache, v_cache [num_slots, kvh, max_seq_len, hd] (this layer)
         T, h, kvh, hd = x.shape[0], self.h, self.kvh, self.hd
         qkv = self.wqkv(x)
         qk = qkv[:, : (h + kvh) * hd].view(T, h + kvh, hd)
-        qk = qk * b.cos + rotate_half(qk) * b.sin  # RoPE on q and k at once
+        qk = self.ops.rope(qk, b.cos, b.sin)  # RoPE on q and k at once
         q, k = qk[:, :h], qk[:, h:]  # [T, h, hd], [T, kvh, hd]
         v = qkv[:, (h + kvh) * hd :].view(T, kvh, hd)
         if b.single is not None:
@@ -267,10 +312,10 @@ class MLP(nn.Module):
         self.act = ACT2FN[a.hidden_act]
         self.w13 = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=a.mlp_bias)  # gate ; up
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias)
+        self.ops = EAGER
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.ops.act_mul(self.w13(x), self.act))
 
 
 class Block(nn.Module):
@@ -280,10 +325,13 @@ class Block(nn.Module):
         self.self_attn = Attention(a, window)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = MLP(a)
+        self.ops = EAGER
 
     def forward(self, x: Tensor, b: Batch, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), b, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        norm = self.post_attention_layernorm
+        x, h = self.ops.add_rms_norm(x, self.self_attn(self.input_layernorm(x), b, k_cache, v_cache), norm.weight,
+                                     norm.eps)
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):
@@ -387,6 +435,14 @@ class LlamaModel(nn.Module):
                 setattr(parent, name, PackedLinear(layer))
         self.packed = True
         return True
+
+    def fuse(self, on: bool = True) -> None:
+        """Run the small ops between the matmuls compiled (fused_ops) or, with on=False, eager again. For a GPU,
+        under the static step's captured graphs (static_step.py); the first call of each op compiles it (seconds)."""
+        ops = fused_ops() if on else EAGER
+        for m in self.modules():
+            if isinstance(getattr(m, "ops", None), SmallOps):
+                m.ops = ops
 
     def rope_tables(self, max_seq_len: int) -> tuple[Tensor, Tensor]:
         """cos, sin [max_seq_len, head_dim] in the model's dtype, computed as transformers does (fp32, then cast)."""

@@ -86,7 +86,9 @@ class ModelRunner:
         """Hidden states [N, D] from forward(hidden=True) -> float32 logits [N, vocab]."""
         return self.model.head(h)
 
-    def _prepare(self, slots: list[int], tokens: list[list[int]], num_logits: list[int]) -> Batch:
+    def check(self, slots: list[int], tokens: list[list[int]], num_logits: list[int]) -> tuple[list[int], list[int]]:
+        """ConfigError unless `forward` can take these arguments (its doc); else each row's (cache length, query
+        length). Checked on the host: no read of a device value."""
         B = len(slots)
         if B == 0 or len(tokens) != B or len(num_logits) != B:
             raise ConfigError(
@@ -105,12 +107,16 @@ class ModelRunner:
             self.cache.check_room(s, q)
             starts.append(self.cache.lengths[s])
             qlens.append(q)
-        dev = self.device
+        low, high = min(min(t) for t in tokens), max(max(t) for t in tokens)
+        if low < 0 or high >= self.vocab_size:
+            raise ConfigError(f"token ids must be in [0, {self.vocab_size}), got min {low} max {high}")
+        return starts, qlens
+
+    def _prepare(self, slots: list[int], tokens: list[list[int]], num_logits: list[int]) -> Batch:
+        starts, qlens = self.check(slots, tokens, num_logits)
+        B, dev = len(slots), self.device
         flat = tokens[0] if B == 1 else [x for t in tokens for x in t]
-        ids = torch.tensor(flat, dtype=torch.long)
-        if ids.min() < 0 or ids.max() >= self.vocab_size:
-            raise ConfigError(f"token ids must be in [0, {self.vocab_size}), got min {ids.min()} max {ids.max()}")
-        ids = ids.to(dev, non_blocking=True)
+        ids = torch.tensor(flat, dtype=torch.long).to(dev, non_blocking=True)
         offsets = [0] * B  # packed offsets of each sequence's tokens
         for i in range(1, B):
             offsets[i] = offsets[i - 1] + qlens[i - 1]
