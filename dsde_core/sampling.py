@@ -5,7 +5,6 @@ Shapes: V = vocabulary, K = draft top-K (what crosses from draft to target), k =
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -34,26 +33,6 @@ def make_generator(seed: int | None, stream: int, device: str = "cpu", emitted: 
 
 
 HELD = -1e9  # the logit of a token held off (min_tokens): finite, so 0 * logit stays 0 in an entropy
-
-
-def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
-    """logits [..., N] -> logits with -inf outside the top-k, outside the smallest top-p nucleus, and where
-    p_t < min_p * p_max, i.e. z_t < z_max + log(min_p) (free of the normalisation: the same over the draft's top-K)."""
-    n = logits.shape[-1]
-    if top_k and top_k < n:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the mass strictly before it already reaches top_p (the first token always stays)
-        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
-        drop_sorted[..., 0] = False  # also when top_p rounds to 0 in the logits' dtype (a top_p of 1e-300)
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    if min_p > 0.0:
-        logits = logits.masked_fill(logits < logits.max(-1, keepdim=True).values + math.log(min_p), float("-inf"))
-    return logits
 
 
 def add_bias(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -124,18 +103,11 @@ def penalize(logits: torch.Tensor, history: History, drafts: Sequence[int], para
     return out
 
 
-def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The target's sampling distribution p: logits [n, V] fp32 -> probs [n, V] (temperature > 0 only). One row's
-    definition of what batch_probs computes for a batch (the verifier's path; tests hold the two equal)."""
-    assert params.temperature > 0, "greedy requests are verified on the argmax"
-    return torch.softmax(_filter(logits / params.temperature, params.top_k, params.top_p, params.min_p), dim=-1)
-
-
 def batch_probs(logits: torch.Tensor, temperature: Sequence[float], top_k: Sequence[int], top_p: Sequence[float],
                 min_p: Sequence[float]) -> torch.Tensor:
-    """target_probs for N positions at once, each with its request's parameters: logits [N, V] fp32 and the
-    parameters per position, host values (temperature > 0; top_k 0, top_p 1 and min_p 0 filter nothing) -> probs
-    [N, V]. _filter's filters as dense ops on one descending sort: z = logits / T; top-k keeps z >= the k-th largest;
+    """The target's sampling distribution p at N positions at once, each with its request's parameters: logits [N, V]
+    fp32 and the parameters per position, host values (temperature > 0; top_k 0, top_p 1 and min_p 0 filter nothing)
+    -> probs [N, V]. The filters as dense ops on one descending sort: z = logits / T; top-k keeps z >= the k-th largest;
     top-p drops a token once the mass before it in the sorted order reaches top_p; min-p drops z < z_max + log(min_p).
     Where no position filters (known on the host), no sort: softmax(z)."""
     dev, v = logits.device, logits.shape[-1]
@@ -198,26 +170,70 @@ class DraftDist:
     entropy: float  # nats, full draft distribution at the signal temperature (nan when not computed)
 
 
+@dataclass
+class DraftLevel:
+    """The draft's distributions at one level for B rows at once: DraftDist's fields as [B, ...] tensors."""
+
+    ids: torch.Tensor  # [B, K] int64
+    q_sample: torch.Tensor  # [B, K]
+    q_signal: torch.Tensor  # [B, K]
+    entropy: torch.Tensor  # [B] (nan where not asked for)
+
+
+def draft_dists(logits: torch.Tensor, params: Sequence[SamplingParams], top_k: int,
+                with_entropy: Sequence[bool]) -> DraftLevel:
+    """logits [B, V] fp32 of one draft level, row r processed for params[r] -> the rows' sparse distributions.
+
+    With T_r the signal temperature, z = logits / T_r and lse = logsumexp(z):
+        ids, top = the K largest logits;  q_signal = exp(top / T_r - lse)  (untruncated: the rest holds 1 - sum)
+        entropy H = -sum p log p = lse - sum softmax(z) z  (a second pass over V, only where a row asks for it)
+        q_sample: one-hot on ids[0] for a greedy row; else the request's temperature, top-k, top-p and min-p over
+        the K top logits (batch_probs), which is exactly what the draft samples from and ships to the verifier."""
+    dev, v = logits.device, logits.shape[-1]
+    t_sig = [signal_temperature(p) for p in params]
+    top, ids = torch.topk(logits, min(top_k, v), dim=-1)  # [B, K]
+    t = torch.tensor(t_sig, dtype=logits.dtype, device=dev)[:, None]  # [B, 1]
+    z = logits if all(x == 1.0 for x in t_sig) else logits / t  # [B, V]
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)  # [B, 1]
+    q_signal = (top / t - lse).exp()  # [B, K]
+    entropy = torch.full((len(params),), float("nan"), device=dev)
+    if any(with_entropy):
+        h = lse[:, 0] - (torch.softmax(z, dim=-1) * z).sum(-1)  # [B]
+        entropy = torch.where(torch.tensor(list(with_entropy), device=dev), h, entropy)
+    q_sample = torch.zeros_like(top)
+    q_sample[:, 0] = 1.0  # greedy rows: one-hot on the argmax
+    sampled = [r for r, p in enumerate(params) if not p.greedy]
+    if sampled:
+        chosen = [params[r] for r in sampled]
+        probs = batch_probs(top[sampled], *([getattr(p, f) for p in chosen]
+                                            for f in ("temperature", "top_k", "top_p", "min_p")))  # [S, K]
+        q_sample = q_sample.index_copy(0, torch.tensor(sampled, device=dev), probs)
+    return DraftLevel(ids, q_sample, q_signal, entropy)
+
+
 def draft_dist(logits: torch.Tensor, params: SamplingParams, top_k: int, with_entropy: bool = True) -> DraftDist:
-    """logits [V] fp32 of one draft position -> its sparse distribution (what crosses to the target).
-    One logsumexp pass over V gives q_signal; the entropy (a second pass) only when asked for."""
-    t_sig = signal_temperature(params)
-    top_logits, ids = torch.topk(logits, min(top_k, logits.shape[-1]))  # [K]
-    z = logits if t_sig == 1.0 else logits / t_sig  # [V]
-    lse = torch.logsumexp(z, dim=-1)
-    q_signal = (top_logits / t_sig - lse).exp()  # [K], untruncated: the rest bin holds 1 - sum
-    # H = -sum p log p = lse - sum p z, with p = softmax(z)
-    entropy = float(lse - torch.dot(torch.softmax(z, dim=-1), z)) if with_entropy else float("nan")
-    if params.greedy:
-        q_sample = torch.zeros_like(top_logits)
-        q_sample[0] = 1.0  # greedy draft: one-hot on its argmax
-    else:
-        filtered = _filter(top_logits / params.temperature, params.top_k, params.top_p, params.min_p)
-        q_sample = torch.softmax(filtered, dim=-1)
-    return DraftDist(ids, q_sample, q_signal, entropy)
+    """logits [V] fp32 of one draft position -> its sparse distribution (draft_dists for one row)."""
+    d = draft_dists(logits[None], [params], top_k, [with_entropy])
+    return DraftDist(d.ids[0], d.q_sample[0], d.q_signal[0], float(d.entropy[0]))
 
 
-def sample_draft(dist: DraftDist, gen: torch.Generator) -> int:
-    """Draw the draft token from exactly the distribution that is shipped to the verifier."""
-    j = torch.multinomial(dist.q_sample, 1, generator=gen).item()
-    return int(dist.ids[j])
+def draft_uniforms(gens: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """[B]: a draft level's uniform of each row from its request's generator (host; 0 for a greedy row, None)."""
+    return torch.cat([torch.zeros(1) if g is None else torch.rand(1, generator=g) for g in gens])
+
+
+def sample_level(level: DraftLevel, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's draft token from exactly the distribution shipped to the verifier, by inverse CDF of q_sample with
+    u [B] (a greedy row's one-hot gives ids[0] for any u) -> (tokens [B] int64, their q_signal: the confidence [B])."""
+    j = inverse_cdf(level.q_sample, u.to(level.q_sample.device))[:, None]  # [B, 1]: index into the K ids
+    return level.ids.gather(-1, j)[:, 0], level.q_signal.gather(-1, j)[:, 0]
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs [..., V] (non-negative, not necessarily normalised), u [...] in [0, 1) -> [...] int64: the first token
+    whose cumulative mass exceeds u times the row's total, so never a token of zero mass (where u * total rounds up
+    to the total, the last token with mass)."""
+    cdf = probs.cumsum(-1)  # [..., V]
+    target = (u.to(cdf.dtype) * cdf[..., -1]).unsqueeze(-1)  # [..., 1]
+    last = (probs > 0).cumsum(-1).argmax(-1)  # [...]: the first index of the highest count, the last with mass
+    return torch.minimum(torch.searchsorted(cdf, target, right=True).squeeze(-1), last)

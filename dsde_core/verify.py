@@ -22,20 +22,12 @@ from collections.abc import Sequence
 
 import torch
 
+from dsde_core.sampling import inverse_cdf
+
 
 def draw_uniforms(gen: torch.Generator, k: int) -> torch.Tensor:
     """A sampled row's k + 1 uniforms in [0, 1) for one step of k drafted tokens: k to accept by, one to emit by."""
     return torch.rand(k + 1, generator=gen)
-
-
-def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """probs [..., V] (non-negative, not necessarily normalised), u [...] in [0, 1) -> [...] int64: the first token
-    whose cumulative mass exceeds u times the row's total, so never a token of zero mass (where u * total rounds up
-    to the total, the last token with mass)."""
-    cdf = probs.cumsum(-1)  # [..., V]
-    target = (u.to(cdf.dtype) * cdf[..., -1]).unsqueeze(-1)  # [..., 1]
-    last = (probs > 0).cumsum(-1).argmax(-1)  # [...]: the first index of the highest count, the last with mass
-    return torch.minimum(torch.searchsorted(cdf, target, right=True).squeeze(-1), last)
 
 
 def verify_batch(target: torch.Tensor, offsets: torch.Tensor, greedy: torch.Tensor, drafts: torch.Tensor,

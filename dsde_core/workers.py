@@ -13,9 +13,12 @@ A draft given a window (EngineConfig.draft_window, off by default) starts an emp
 A catch-up task may carry a limit: a prefill fed in chunks (EngineConfig.prefill_chunk) takes in that many tokens a
 call, and the prefix match picks up where the last chunk ended.
 
-Sampling and the KLD signal run on the host: a forward's logits come back to the CPU once (a no-op on a CPU device),
-where each request's generator lives, so a seed draws the same tokens on any device. Verification is one batched
-rejection sampler over the step's rows (dsde_core/verify.py), fed the uniforms each request's generator draws.
+Sampling, verification and the KLD signal run batched on the device the logits are on: a draft level's
+distributions and draws (sampling.draft_dists), the step's rejection sampler (dsde_core/verify.py) and the KLD at
+every drafted position, each read back in one copy (a draft level's tokens and distributions; a step's verdicts).
+The uniforms they draw by come from each request's own generator on the host, so a seed draws the same tokens on any
+device and in any batch. The per-request logits processors (stop tokens held, logit bias, penalties) run row by row
+on the device tensors before the batched part, and only for the requests that have them.
 """
 
 from __future__ import annotations
@@ -36,11 +39,12 @@ from dsde_core.sampling import (
     TokenLogprob,
     add_bias,
     batch_probs,
-    draft_dist,
+    draft_dists,
+    draft_uniforms,
     hold_stops,
     make_generator,
     penalize,
-    sample_draft,
+    sample_level,
     signal_temperature,
     token_logprobs,
 )
@@ -193,21 +197,17 @@ class DraftWorker(_Worker):
         drafted = level = 0
         while batch:
             slots = [slot for slot, _ in batch]
-            logits = self.runner.forward(slots, [toks for _, toks in batch], [1] * len(batch)).cpu()  # [B, V]
+            logits = self.runner.forward(slots, [toks for _, toks in batch], [1] * len(batch))  # [B, V] on the device
             if self.logit_noise > 0:
                 noise = torch.randn(logits.shape, generator=self._noise_gen) * self.logit_noise
                 logits = logits + noise.to(logits.device, logits.dtype)
             for slot, toks in batch:
                 self.slots[slot].cached.extend(toks)
             next_batch = []
-            for row, t in enumerate(live):
-                s, prop = self.slots[t.slot], out[t.slot]
-                row_logits = s.process(logits[row : row + 1], prop.tokens, len(prop.tokens))[0]  # [V]
-                dist = draft_dist(row_logits, s.params, self.top_k, with_entropy=t.min_confidence is not None)
-                x = sample_draft(dist, s.gen)
+            for t, (x, conf, dist) in zip(live, self._sample(live, logits[: len(live)], out), strict=True):
+                prop = out[t.slot]
                 prop.tokens.append(x)
                 prop.dists.append(dist)
-                conf = float(dist.q_signal[0]) if s.params.greedy else float(dist.q_signal[dist.ids == x].sum())
                 prop.conf.append(conf)
                 if stop is not None and t.p_next is not None:
                     reach[t.slot] *= stop.accept_prob(conf, t.accept_model)
@@ -219,6 +219,28 @@ class DraftWorker(_Worker):
             live = self._cost_aware_cut(next_batch, out, reach, stop, drafted, level)
             batch = [(t.slot, [out[t.slot].tokens[-1]]) for t in live]
         return [out[t.slot] for t in tasks]
+
+    def _sample(self, live: list[DraftTask], logits: torch.Tensor,
+                out: dict[int, Proposal]) -> list[tuple[int, float, DraftDist]]:
+        """One level's draft tokens for the drafting rows, whose logits are `logits` [B, V]: each row processed for
+        its request, the level's distributions and draws batched on the device (sampling.draft_dists, sample_level,
+        the uniforms from each request's generator), read back in one copy -> (token, confidence, distribution) a
+        row."""
+        if not live:
+            return []
+        slots = [self.slots[t.slot] for t in live]
+        rows = [logits[r : r + 1] for r in range(len(live))]
+        done = [s.process(row, out[t.slot].tokens, len(out[t.slot].tokens)) for s, row, t in zip(slots, rows, live,
+                                                                                                  strict=True)]
+        z = logits if all(d is r for d, r in zip(done, rows, strict=True)) else torch.cat(done)  # [B, V]
+        level = draft_dists(z, [s.params for s in slots], self.top_k, [t.min_confidence is not None for t in live])
+        tokens, conf = sample_level(level, draft_uniforms([None if s.params.greedy else s.gen for s in slots]))
+        k = level.ids.shape[1]
+        host = torch.cat([tokens[:, None].double(), conf[:, None].double(), level.entropy[:, None].double(),
+                          level.ids.double(), level.q_sample.double(), level.q_signal.double()], 1).cpu()  # [B, 3+3K]
+        return [(int(x), c, DraftDist(row[3 : 3 + k].long(), row[3 + k : 3 + 2 * k].float(),
+                                      row[3 + 2 * k :].float(), h))
+                for (x, c, h), row in zip(host[:, :3].tolist(), host, strict=True)]
 
     @staticmethod
     def _cost_aware_cut(live: list[DraftTask], out: dict[int, Proposal], reach: dict[int, float],
@@ -251,7 +273,7 @@ class TargetWorker(_Worker):
         ends = list(itertools.accumulate(ns))
         verified = [e - k - 1 + j for t, e, k in zip(tasks, ends, ks, strict=True) if not t.partial
                     for j in range(k + 1)]  # the last k+1 rows of each judged sequence
-        logits = self.runner.head(h if len(verified) == len(h) else h[verified]).cpu() if verified else None
+        logits = self.runner.head(h if len(verified) == len(h) else h[verified]) if verified else None  # [N, V]
         judged = [t for t in tasks if not t.partial]
         verdicts = dict(zip((t.slot for t in judged), self._judge(judged, logits), strict=True))
         out = []
@@ -279,9 +301,10 @@ class TargetWorker(_Worker):
         in order). Each row's logits are processed for its request (stop tokens held, logit bias, penalties: its own
         tables), then the batch goes at once, packed (a ragged batch costs what its positions do): the sampled rows'
         distributions (sampling.batch_probs), one rejection sampler (verify.verify_batch) and the KLD signal at
-        every drafted position, read back together."""
+        every drafted position, on the logits' device, read back together in one copy."""
         if not tasks:
             return []
+        dev = logits.device
         slots = [self.slots[t.slot] for t in tasks]
         drafts = [t.proposal.tokens if t.proposal else [] for t in tasks]
         dists = [t.proposal.dists if t.proposal else [] for t in tasks]
@@ -294,7 +317,7 @@ class TargetWorker(_Worker):
         sampled = [r for r, g in enumerate(greedy) if not g]
         target, u = z, torch.zeros(len(tasks), max(lens))  # u [R, k + 1]: a sampled row's acceptance uniforms, then
         if sampled:  # its emission one (last column)
-            pos = torch.tensor([offsets[r] + j for r in sampled for j in range(lens[r])])  # [S] sampled positions
+            pos = torch.tensor([offsets[r] + j for r in sampled for j in range(lens[r])], device=dev)  # [S] sampled
             per_pos = [slots[r].params for r in sampled for _ in range(lens[r])]
             probs = batch_probs(z[pos], *([getattr(p, f) for p in per_pos]
                                           for f in ("temperature", "top_k", "top_p", "min_p")))  # [S, V]
@@ -304,30 +327,33 @@ class TargetWorker(_Worker):
                 u[r, : len(drafts[r])], u[r, -1] = draws[:-1], draws[-1]
         stacked = [[torch.stack([getattr(x, f) for x in ds]) if ds else None for ds in dists]
                    for f in ("ids", "q_sample")]
-        tokens, accepted = verify_batch(target, torch.tensor(offsets), torch.tensor(greedy),
-                                        *pack_drafts(drafts, *stacked), u, all(greedy))
-        kld = self._kld(z, slots, drafts, dists, offsets)
+        tokens, accepted = verify_batch(target, torch.tensor(offsets, device=dev), torch.tensor(greedy, device=dev),
+                                        *(x.to(dev) for x in pack_drafts(drafts, *stacked)), u.to(dev), all(greedy))
+        kld = self._kld(z, slots, drafts, dists, offsets)  # [D]
+        R, width = len(tasks), tokens.shape[1]  # width: k + 1
+        host = torch.cat([tokens.flatten().double(), accepted.double(), kld.double()]).tolist()  # the step's one read
+        kld_at = list(itertools.accumulate((len(d) for d in drafts), initial=R * (width + 1)))  # [R + 1]
         verdicts = []
-        for t, s, raw, toks, a, row_kld in zip(tasks, slots, raws, tokens.tolist(), accepted.tolist(), kld,
-                                               strict=True):
-            emitted, n = toks[: a + 1], s.params.logprobs
+        for r, (t, s, raw) in enumerate(zip(tasks, slots, raws, strict=True)):
+            a = int(host[R * width + r])
+            emitted, n = [int(x) for x in host[r * width : r * width + a + 1]], s.params.logprobs
             lps = None if n is None else token_logprobs(raw, emitted, n)
-            verdicts.append(Verdict(t.slot, emitted, a, row_kld, lps))
+            verdicts.append(Verdict(t.slot, emitted, a, host[kld_at[r] : kld_at[r + 1]], lps))
         return verdicts
 
     @staticmethod
     def _kld(z: torch.Tensor, slots: list[_Slot], drafts: list[list[int]], dists: list[list[DraftDist]],
-             offsets: list[int]) -> list[list[float]]:
+             offsets: list[int]) -> torch.Tensor:
         """The signal: KL(p || q) at every drafted position (also after the first rejection), at each request's signal
-        temperature, over the packed drafted positions; p at the K draft ids is exp(z_ids - logsumexp(z)): no
-        full-vocabulary softmax."""
+        temperature, over the packed drafted positions, [D] on z's device; p at the K draft ids is
+        exp(z_ids - logsumexp(z)): no full-vocabulary softmax."""
+        dev = z.device
         pos = [offsets[r] + j for r, d in enumerate(drafts) for j in range(len(d))]
         if not pos:
-            return [[] for _ in drafts]
-        t_sig = torch.tensor([signal_temperature(s.params) for s, d in zip(slots, drafts, strict=True) for _ in d])
-        zs = z[torch.tensor(pos)] / t_sig[:, None]  # [D, V]
-        ids = torch.stack([x.ids for ds in dists for x in ds])  # [D, K]
+            return torch.zeros(0, device=dev)
+        t_sig = torch.tensor([signal_temperature(s.params) for s, d in zip(slots, drafts, strict=True) for _ in d],
+                             device=dev)
+        zs = z[torch.tensor(pos, device=dev)] / t_sig[:, None]  # [D, V]
+        ids = torch.stack([x.ids for ds in dists for x in ds]).to(dev)  # [D, K]
         p_ids = (zs.gather(-1, ids) - torch.logsumexp(zs, dim=-1, keepdim=True)).exp()  # [D, K]
-        flat = sparse_kld_at(p_ids, torch.stack([x.q_signal for ds in dists for x in ds])).tolist()  # [D]
-        cuts = [0, *itertools.accumulate(len(d) for d in drafts)]
-        return [flat[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+        return sparse_kld_at(p_ids, torch.stack([x.q_signal for ds in dists for x in ds]).to(dev))  # [D]

