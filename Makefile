@@ -69,9 +69,14 @@ bench: models
 	$(VENV)/bin/dsde bench $(ARGS)
 
 # The trace-driven simulator with the oracle, validated against the engine (results/simulate.json); ARGS override.
+# With the static step's cost table from a lent GPU (benchmarks/gpu_check.sh brings results/gpu/costs_step_*.json back)
+# the replays are also priced as the device-resident step runs there: the profile gpu-step.
+comma := ,
+GPU_STEP_COSTS := $(firstword $(wildcard results/gpu/costs_step_*.json))
 SIM_ARGS := --workloads code,chat,mixed --max-tokens 64 --validate-batch-sizes 1 \
-  --validate-policies off,static:2,static:4,dsde,dsde-goodput --profiles measured,engine,gpu,gpu:ratio=0.25,gpu-h100 \
-  --costs gpu-h100=results/gpu/costs_h100.json
+  --validate-policies off,static:2,static:4,dsde,dsde-goodput \
+  --profiles measured,engine,gpu,gpu:ratio=0.25,gpu-h100$(if $(GPU_STEP_COSTS),$(comma)gpu-step) \
+  --costs gpu-h100=results/gpu/costs_h100.json$(if $(GPU_STEP_COSTS),$(comma)gpu-step=$(GPU_STEP_COSTS))
 bench-sim: models
 	$(VENV)/bin/dsde bench --simulate --validate --warm-requests 4 $(SIM_ARGS) $(ARGS)
 

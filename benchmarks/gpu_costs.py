@@ -6,6 +6,11 @@ of results/costs.json (`dsde bench --simulate --costs NAME=FILE --profiles NAME`
 batched verification table B rows x q tokens at a longer context, which the one-slot table approximates.
 
     python benchmarks/gpu_costs.py --configs DIR --out results/costs_h100.json   # DIR/{target,draft}.json
+
+With --step static the runners are the static step's (dsde_core/models/static_step.py: captured CUDA graphs, fused
+small ops, the Triton attention kernel) for forwards of up to --max-query tokens a row, eager beyond: the table the
+simulator prices the device-resident step with (`make bench-sim` takes results/gpu/costs_step_*.json as profile
+gpu-step when one is there).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from dsde_bench.provenance import code_version
 from dsde_bench.sim.costs import measure_costs
 from dsde_core.models.llama import LlamaModel
 from dsde_core.models.runner import ModelRunner
+from dsde_core.models.static_step import StaticRunner
 
 
 def random_model(config: Path | dict[str, Any], dtype: torch.dtype, device: str) -> tuple[LlamaModel, dict[str, Any]]:
@@ -42,10 +48,11 @@ def random_model(config: Path | dict[str, Any], dtype: torch.dtype, device: str)
     return LlamaModel.from_hf(config, state, dtype=dtype, device=device), shape
 
 
-def batched_table(runner: ModelRunner, batches: tuple[int, ...], queries: tuple[int, ...], context: int,
+def batched_table(runner: ModelRunner | StaticRunner, batches: tuple[int, ...], queries: tuple[int, ...], context: int,
                   repeats: int = 5) -> list[list[float]]:
     """[B, q, seconds]: one forward of B rows of q query tokens each after `context` cached tokens (min of repeats),
-    logits of every query position copied to the host, as TargetWorker.verify does."""
+    the logits of every query position copied to the host (which waits for the forward)."""
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     out = []
     for b in batches:
         slots = list(range(b))
@@ -57,7 +64,7 @@ def batched_table(runner: ModelRunner, batches: tuple[int, ...], queries: tuple[
             for rep in range(repeats + 1):
                 for s in slots:
                     runner.set_length(s, context)
-                torch.cuda.synchronize()
+                sync()
                 t0 = time.perf_counter()
                 runner.forward(slots, [[1] * q] * b, [q] * b).cpu()
                 if rep:
@@ -68,12 +75,40 @@ def batched_table(runner: ModelRunner, batches: tuple[int, ...], queries: tuple[
     return out
 
 
+def costs_doc(t_run: Any, d_run: Any, shapes: dict[str, Any], name: str, context: int,
+              meta: dict[str, Any], one_slot_context: int = 128) -> dict[str, Any]:
+    """The costs file of a target and a draft runner (results/costs.json's format, the profile `name`): the one-slot
+    table of n = 1..256 query tokens (as far as the cache holds) after one_slot_context cached ones, and the batched
+    table B rows x q tokens after `context`."""
+    model = replace(measure_costs(t_run, d_run, context=one_slot_context), name=name)
+    cuda = t_run.device.type == "cuda"
+    batches, queries = (1, 2, 4, 8, 16, 32, 64), (1, 2, 3, 5, 9)
+    slots = t_run.cache.num_slots - isinstance(t_run, StaticRunner)  # the static runner's last slot is scratch
+    batches = tuple(b for b in batches if b <= slots)
+    queries = tuple(q for q in queries if context + q <= t_run.cache.max_seq_len)
+    return {
+        "backend": {"draft": "qwen2.5-coder-0.5b-instruct shapes, random weights",
+                    "target": "qwen2.5-coder-1.5b-instruct shapes, random weights",
+                    "dtype": str(t_run.model.dtype).removeprefix("torch."),
+                    "device": torch.cuda.get_device_name() if cuda else "cpu", "shapes": shapes},
+        "model": model.__dict__,
+        "batched": {"context": context, "columns": ["batch", "query_tokens_per_row", "seconds"],
+                    "target": batched_table(t_run, batches, queries, context),
+                    "draft": batched_table(d_run, batches, (1,), context)},
+        "meta": {**meta, "code": code_version(), "torch": torch.__version__,
+                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", type=Path, required=True, help="folder with target.json and draft.json (HF configs)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--device", default="cuda")
     p.add_argument("--context", type=int, default=512, help="cached tokens before the batched table's queries")
+    p.add_argument("--step", choices=("eager", "static"), default="eager",
+                   help="the runners: the eager forward (default) or the static step, captured and fused")
+    p.add_argument("--max-query", type=int, default=9, help="--step static: its longest query bucket (1 + max_sl)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_costs.py: no CUDA device here")
@@ -81,25 +116,23 @@ def main() -> None:
     target, tshape = random_model(args.configs / "target.json", dtype, args.device)
     draft, dshape = random_model(args.configs / "draft.json", dtype, args.device)
     slots, max_len = 64, 2048
-    t_run, d_run = ModelRunner(target, slots, max_len), ModelRunner(draft, slots, max_len)
-    # context 128, one slot, n = 1..256 query tokens (as results/costs.json)
-    model = replace(measure_costs(t_run, d_run), name="gpu-measured")
-    batches, queries = (1, 2, 4, 8, 16, 32, 64), (1, 2, 3, 5, 9)
-    doc = {
-        "backend": {"draft": "qwen2.5-coder-0.5b-instruct shapes, random weights",
-                    "target": "qwen2.5-coder-1.5b-instruct shapes, random weights", "dtype": "bfloat16",
-                    "device": torch.cuda.get_device_name(), "shapes": {"target": tshape, "draft": dshape}},
-        "model": model.__dict__,
-        "batched": {"context": args.context, "columns": ["batch", "query_tokens_per_row", "seconds"],
-                    "target": batched_table(t_run, batches, queries, args.context),
-                    "draft": batched_table(d_run, batches, (1,), args.context)},
-        "meta": {"command": "python benchmarks/gpu_costs.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
-                 "code": code_version(), "torch": torch.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                                               time.gmtime())},
-    }
+    prepared: dict[str, float] = {}
+    if args.step == "static":
+        t_run, d_run = (StaticRunner(m, slots, max_len, args.max_query, attention="triton", graphs=True, fuse=True)
+                        for m in (target, draft))
+        for role, run in (("target", t_run), ("draft", d_run)):
+            run.capture()
+            prepared |= {f"{role}_compile_s": run.compile_s, f"{role}_capture_s": run.capture_s}
+    else:
+        t_run, d_run = ModelRunner(target, slots, max_len), ModelRunner(draft, slots, max_len)
+    command = "python benchmarks/gpu_costs.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items())
+    doc = costs_doc(t_run, d_run, {"target": tshape, "draft": dshape},
+                    "gpu-step" if args.step == "static" else "gpu-measured", args.context,
+                    {"command": command, "step": args.step, **prepared})
+    model = doc["model"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1))
-    t, d = dict(map(tuple, model.points["target"])), dict(map(tuple, model.points["draft"]))
+    t, d = dict(map(tuple, model["points"]["target"])), dict(map(tuple, model["points"]["draft"]))
     print(f"{'n':>4} {'target ms':>10} {'draft ms':>9} {'ratio':>6}")
     for n in (1, 2, 4, 8, 16, 32, 64, 128, 256):
         if n in t:

@@ -9,7 +9,7 @@ import torch
 from dsde_core.config import EngineConfig, SamplingParams
 from dsde_core.engine import Engine
 from dsde_core.errors import ConfigError
-from dsde_core.models.llama import LlamaModel
+from dsde_core.models.llama import LlamaModel, fused_ops
 from dsde_core.models.runner import ModelRunner
 from dsde_core.models.static_step import StaticRunner, StepBuckets
 from dsde_core.policies import make_policy
@@ -152,16 +152,19 @@ def test_an_engine_on_static_runners_emits_what_the_eager_one_does(temperature: 
 
 
 def test_fused_small_ops_equal_the_eager_ones(make_tiny_model) -> None:
-    """LlamaModel.fuse: RMSNorm, the residual add before a norm, RoPE and SiLU-mul compiled by torch.compile give the
-    eager forward's logits (here on the CPU; on CUDA the same functions run under the captured graphs)."""
+    """fuse=True: capture() compiles RMSNorm, the residual add before a norm, RoPE and SiLU-mul (torch.compile), and
+    the static step gives the eager forward's logits with them (here on the CPU, where nothing is captured; on CUDA
+    the same functions run under the captured graphs)."""
     hf = make_tiny_model("qwen2")
-    p = Pair(hf)
-    p.static.model.fuse()  # the static runner's model is the eager one's too: fuse both, compare against a copy
+    model = LlamaModel.from_hf(hf.config, dict(hf.state_dict()), dtype=torch.float32, prepack=False)
     ref = ModelRunner(LlamaModel.from_hf(hf.config, dict(hf.state_dict()), dtype=torch.float32, prepack=False), 6, 48)
+    static = StaticRunner(model, 6, 48, 6, fuse=True)
     try:
+        assert static.capture() == 0.0 and not static.graphs and static.compile_s > 0
+        assert all(m.ops is fused_ops() for m in model.modules() if hasattr(m, "ops"))
         for feed, n in (({0: [1, 2, 3], 1: [4, 5]}, [3, 2]), ({0: [6], 1: [7, 8]}, [1, 2])):
-            out = p.static.forward(list(feed), list(feed.values()), n)
+            out = static.forward(list(feed), list(feed.values()), n)
             assert (out - ref.forward(list(feed), list(feed.values()), n)).abs().max().item() < TOL
-        assert p.runs == 2
+        assert static.calls == {"static": 2, "eager": 0}
     finally:
-        p.static.model.fuse(False)
+        model.fuse(False)

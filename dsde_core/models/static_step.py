@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from dsde_core.errors import ConfigError
+from dsde_core.models.kv_cache import KVCache
 from dsde_core.models.llama import AttnGroup, Batch, LlamaModel
 from dsde_core.models.runner import ModelRunner
 
@@ -65,11 +66,12 @@ class StepBuckets:
 
 class StaticRunner:
     """A Runner (runner.Runner) whose decode and verify calls run the static step; on CUDA with graphs=True,
-    `capture` records each bucket's forward as a CUDA graph, which `forward` replays. Everything else runs
-    ModelRunner's eager forward over the same cache (num_slots + 1 slots: the last is the scratch slot)."""
+    `capture` records each bucket's forward as a CUDA graph, which `forward` replays; with fuse=True the model's small
+    ops run compiled (LlamaModel.fuse; `capture` compiles them first). Everything else runs ModelRunner's eager
+    forward over the same cache (num_slots + 1 slots: the last is the scratch slot)."""
 
     def __init__(self, model: LlamaModel, num_slots: int, max_seq_len: int, max_query: int,
-                 attention: str = "torch", graphs: bool = False) -> None:
+                 attention: str = "torch", graphs: bool = False, fuse: bool = False) -> None:
         if max_query > max_seq_len:
             raise ConfigError(f"max_query {max_query} exceeds max_seq_len {max_seq_len}")
         if graphs and model.device.type != "cuda":
@@ -78,9 +80,9 @@ class StaticRunner:
         self.model, self.vocab_size, self.device = model, self.eager.vocab_size, self.eager.device
         self.num_slots, self.scratch = num_slots, num_slots
         self.buckets = StepBuckets(num_slots, max_query)
-        self.graphs_on = graphs
+        self.graphs_on, self.fuse = graphs, fuse
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.capture_s = 0.0
+        self.capture_s = self.compile_s = 0.0
         self.calls = {"static": 0, "eager": 0}  # forwards of each kind since the start
         t_max, b_max = num_slots * max_query, num_slots
         # the packet and its device copy: four [Tb] regions then three [Bb] ones, at fixed offsets
@@ -97,6 +99,11 @@ class StaticRunner:
         self._all = torch.arange(t_max, device=self.device)  # [Tmax]: every row of the layout
 
     # ---- the Runner seam ----------------------------------------------------------------------------
+    @property
+    def cache(self) -> KVCache:
+        """The KV cache (num_slots + 1 slots: the last is the scratch slot)."""
+        return self.eager.cache
+
     def length(self, slot: int) -> int:
         return self.eager.length(self._slot(slot))
 
@@ -206,9 +213,21 @@ class StaticRunner:
         return graph[1]
 
     def capture(self) -> float:
-        """Capture every bucket's forward as a CUDA graph, the largest first, into one memory pool (as nano-vllm's
-        runner does: the smaller graphs reuse the largest one's memory); the seconds it took. A no-op without
-        graphs=True. Captures run on padding rows only, so no request's cache is touched."""
+        """Make the static step ready: with fuse, compile the small ops (a forward of the smallest and of the largest
+        bucket; compile_s); with graphs, capture every bucket's forward as a CUDA graph, the largest first, into one
+        memory pool (as nano-vllm's runner does: the smaller graphs reuse the largest one's memory). Returns the
+        seconds the capture took (capture_s). Both run on padding rows only, so no request's cache is touched."""
+        if self.fuse and not self.compile_s:
+            t0 = time.perf_counter()
+            self.model.fuse()
+            with torch.inference_mode():
+                for bucket in ((1, 1), (self.buckets.max_batch, self.buckets.max_query)):
+                    self._pad(bucket)
+                    self._run(bucket)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            self.compile_s = time.perf_counter() - t0
+            log.info("compiled the small ops in %.1f s", self.compile_s)
         if not self.graphs_on or self.graphs:
             return self.capture_s
         t0, pool = time.perf_counter(), None
