@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from dsde_core.models.backends import BACKENDS
+from dsde_core.models.backends import BACKENDS, STEPS
 
 
 def add_backend_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -14,3 +14,10 @@ def add_backend_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup)
                              "(llama.cpp for a GGUF model on the CPU unless --dtype float32; default)")
     parser.add_argument("--draft-backend", default=None, choices=BACKENDS,
                         help="the draft's runner where it differs from --backend")
+
+
+def add_step_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--step: the torch runner's step (EngineConfig.step)."""
+    parser.add_argument("--step", default="eager", choices=STEPS,
+                        help="the torch runner's step: eager (default), or static: decode and verify calls padded to "
+                             "fixed buckets over persistent buffers, captured as CUDA graphs on a GPU at start-up")

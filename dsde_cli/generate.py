@@ -11,7 +11,7 @@ from typing import Any
 
 from transformers.utils import logging as hf_logging
 
-from dsde_cli.flags import add_backend_flags
+from dsde_cli.flags import add_backend_flags, add_step_flag
 from dsde_core.config import EngineConfig, SamplingParams
 from dsde_core.errors import ConfigError
 from dsde_core.llm import GenerationResult, SpeculativeLLM
@@ -41,6 +41,7 @@ def add_commands(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
     g.add_argument("--threads", type=int, default=None,
                    help="threads of torch and llama.cpp (default: torch's choice, every core for llama.cpp)")
     add_backend_flags(g)
+    add_step_flag(g)
     g.add_argument("--draft", default=DEFAULT_DRAFT, help="embedded name, HF model directory or .gguf file")
     g.add_argument("--target", default=DEFAULT_TARGET, help="embedded name, HF model directory or .gguf file")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
@@ -99,7 +100,7 @@ def _generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.seed, presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
     config = EngineConfig(max_batch_size=1, dtype=args.dtype, device=args.device, num_threads=args.threads,
-                          backend=args.backend, draft_backend=args.draft_backend)
+                          backend=args.backend, draft_backend=args.draft_backend, step=args.step)
     hf_logging.disable_progress_bar()  # transformers' "Loading weights" bars: this command reports its own lines
     llm = SpeculativeLLM.load(draft=args.draft, target=args.target, config=config)
     ids = llm.encode(args.prompt, args.chat)

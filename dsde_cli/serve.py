@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from dsde_cli.flags import add_backend_flags
+from dsde_cli.flags import add_backend_flags, add_step_flag
 from dsde_core.models.loader import DEFAULT_DRAFT, DEFAULT_TARGET
 from dsde_core.policies import DEFAULT_POLICY, POLICY_NAMES
 
@@ -46,6 +46,7 @@ def _add_serve(sub: Any) -> None:
     s.add_argument("--threads", type=int, default=None,
                    help="torch and llama.cpp threads per model actor (default: all cores)")
     add_backend_flags(s)
+    add_step_flag(s)
     s.add_argument("--num-gpus", type=float, default=0.0, help="GPUs for each model actor (default 0)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -83,7 +84,7 @@ def local_serve(args: argparse.Namespace) -> LocalServe:
     app_args = {"draft": args.draft, "target": args.target, "model_name": args.model_name, "policy": args.policy,
                 "dtype": args.dtype, "device": args.device, "max_batch_size": args.max_batch_size,
                 "max_seq_len": args.max_seq_len, "num_threads": args.threads,
-                "backend": args.backend, "draft_backend": args.draft_backend,
+                "backend": args.backend, "draft_backend": args.draft_backend, "step": args.step,
                 "draft_num_gpus": args.num_gpus, "target_num_gpus": args.num_gpus, "max_queue": args.max_queue,
                 "request_timeout_s": args.request_timeout}
     if args.api_key:

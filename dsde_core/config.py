@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsde_core.errors import ConfigError
-from dsde_core.models.backends import BACKENDS
+from dsde_core.models.backends import BACKENDS, STEPS
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 
@@ -139,6 +139,9 @@ class EngineConfig:
     device: str = "cpu"
     backend: str = "auto"  # the runner of both models: "torch", "llama.cpp" or "auto" (dsde_core.models.backends)
     draft_backend: str | None = None  # the draft's, where it differs from `backend`
+    # the torch runner's step (dsde_core.models.backends.STEPS): "static" pads decode and verify calls to buckets up to
+    # max_batch_size x (1 + max_sl) and, on CUDA, replays them as captured graphs. Opt-in until timed on a GPU
+    step: str = "eager"
     num_threads: int | None = None  # torch intra-op threads and llama.cpp's; None: torch's default, every core
     draft_quant: str = "auto"  # draft weights: "int8" (weight-only), "none", or "auto" (int8 for bf16 on CPU)
     draft_catch_up: bool = False  # feed committed tokens to the draft every step, even for sequences with k = 0
@@ -169,6 +172,7 @@ class EngineConfig:
             v = getattr(self, name)
             _check((v is None and name == "draft_backend") or v in BACKENDS,
                    f"{name} must be one of {', '.join(BACKENDS)}, got {v!r}")
+        _check(self.step in STEPS, f"step must be one of {', '.join(STEPS)}, got {self.step!r}")
         _check(self.draft_quant in ("auto", "int8", "none"),
                f"draft_quant must be 'auto', 'int8' or 'none', got {self.draft_quant!r}")
         _check(self.draft_max_lag >= 2, f"draft_max_lag must be >= 2, got {self.draft_max_lag}")

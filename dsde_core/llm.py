@@ -69,7 +69,7 @@ class SpeculativeLLM:
         if draft is not None:
             check_compatible(draft, target)
         self.target, self.draft, self.config = target, draft, config
-        shape = (config.max_batch_size, config.max_seq_len, config.num_threads)
+        shape = (config.max_batch_size, config.max_seq_len, config.num_threads, config.step, config.max_sl + 1)
         target_runner = target.make_runner(*shape)
         draft_worker = DraftWorker.from_config(draft.make_runner(*shape), config) if draft is not None else None
         self.engine = Engine(

@@ -46,7 +46,8 @@ def resolve_device(device: str) -> str:
 
 class _ModelHost:
     def __init__(self, source: str, dtype: str, device: str, max_batch_size: int, max_seq_len: int,
-                 num_threads: int | None = None, quant: str | None = None, backend: str = "auto") -> None:
+                 num_threads: int | None = None, quant: str | None = None, backend: str = "auto", step: str = "eager",
+                 max_query: int = 1) -> None:
         threads = num_threads or os.cpu_count() or 1
         self.device = resolve_device(device)
         self.dtype = dtype
@@ -57,7 +58,7 @@ class _ModelHost:
         # the same resolution of "auto" as the in-process engine (SpeculativeLLM.load), on this actor's device
         quantize = EngineConfig(dtype=dtype, device=self.device, draft_quant=quant).draft_quantize if quant else None
         self.loaded: LoadedModel = load_model(source, DTYPES[dtype], self.device, quantize, self.backend)
-        self.runner = self.loaded.make_runner(max_batch_size, max_seq_len, threads)
+        self.runner = self.loaded.make_runner(max_batch_size, max_seq_len, threads, step, max_query)
 
     def describe(self) -> ModelInfo:
         return ModelInfo(self.loaded.name, self.runner.vocab_size, eos_token_ids(self.loaded), self.loaded.tokenizer,
@@ -70,8 +71,9 @@ class _ModelHost:
 class DraftHost(_ModelHost):
     def __init__(self, source: str, dtype: str, device: str, max_batch_size: int, max_seq_len: int,
                  num_threads: int | None = None, top_k: int = 64, quant: str = "auto",
-                 window: int | None = None, backend: str = "auto") -> None:
-        super().__init__(source, dtype, device, max_batch_size, max_seq_len, num_threads, quant, backend)
+                 window: int | None = None, backend: str = "auto", step: str = "eager", max_query: int = 1) -> None:
+        super().__init__(source, dtype, device, max_batch_size, max_seq_len, num_threads, quant, backend, step,
+                         max_query)
         self.worker = DraftWorker(self.runner, top_k, window=window)  # as the engine's config, which prices it
         transport.register()  # proposals leave this process packed (services/transport.py)
 
@@ -90,8 +92,10 @@ class DraftHost(_ModelHost):
 
 class TargetHost(_ModelHost):
     def __init__(self, source: str, dtype: str, device: str, max_batch_size: int, max_seq_len: int,
-                 num_threads: int | None = None, backend: str = "auto") -> None:
-        super().__init__(source, dtype, device, max_batch_size, max_seq_len, num_threads, backend=backend)
+                 num_threads: int | None = None, backend: str = "auto", step: str = "eager",
+                 max_query: int = 1) -> None:
+        super().__init__(source, dtype, device, max_batch_size, max_seq_len, num_threads, backend=backend, step=step,
+                         max_query=max_query)
         self.worker = TargetWorker(self.runner)
 
     def open(self, slot: int, params: SamplingParams, prompt_len: int = 0, emitted: int = 0) -> None:

@@ -74,6 +74,7 @@ class ServiceConfig:
     device: str = "auto"  # auto: cuda when the actor was given a GPU, else cpu
     backend: str = "auto"  # the models' runner: torch, llama.cpp, or auto (dsde_core.models.backends)
     draft_backend: str | None = None  # the draft's, where it differs from backend
+    step: str = "eager"  # the torch runner's step: eager, or static (bucketed; CUDA graphs on a GPU): EngineConfig.step
     max_batch_size: int = 8
     max_seq_len: int = 2048
     max_sl: int = 20
@@ -225,7 +226,8 @@ class ServiceConfig:
                             draft_top_k=self.draft_top_k, dtype=self.dtype, draft_quant=self.draft_quant,
                             draft_window=self.draft_window, prefill_chunk=self.prefill_chunk,
                             device="cpu" if self.device == "auto" else self.device, num_threads=self.num_threads,
-                            backend=self.backend, draft_backend=self.draft_backend, worker_wait_s=self.worker_wait_s)
+                            backend=self.backend, draft_backend=self.draft_backend, step=self.step,
+                            worker_wait_s=self.worker_wait_s)
 
     @property
     def torch_dtype(self) -> Any:

@@ -121,7 +121,7 @@ def start_actors(cfg: ServiceConfig, policy: PolicyConfig,
     """Create the three actors and wait until both models are loaded; ModelLoadError names what failed. `hosts`: the
     target and draft host classes (a benchmark passes subclasses that time their calls)."""
     common = dict(dtype=cfg.dtype, device=cfg.device, max_batch_size=cfg.max_batch_size,
-                  max_seq_len=cfg.max_seq_len, num_threads=cfg.num_threads)
+                  max_seq_len=cfg.max_seq_len, num_threads=cfg.num_threads, step=cfg.step, max_query=cfg.max_sl + 1)
     tag, env = uuid.uuid4().hex[:8], model_env(cfg)
     names = {role: f"dsde-{role}-{tag}" for role in ("target", "draft", "controller")}
     target_host, draft_host = hosts

@@ -86,7 +86,7 @@ def test_every_generate_flag_reaches_the_sampling_the_engine_or_the_output(monke
     given = {"--policy": "static:3", "--max-tokens": "7", "--temperature": "0.5", "--top-p": "0.9", "--top-k": "5",
              "--seed": "11", "--presence-penalty": "0.25", "--frequency-penalty": "0.5", "--repetition-penalty": "1.1",
              "--dtype": "float32", "--device": "cpu", "--threads": "1", "--draft": "d", "--target": "t",
-             "--backend": "torch", "--draft-backend": "llama.cpp"}
+             "--backend": "torch", "--draft-backend": "llama.cpp", "--step": "static"}
     switches = ["--chat", "--compare", "--json"]
     flags = help_flags(dsde_main.parser(), "generate")
     assert flags == set(given) | set(switches), flags ^ (set(given) | set(switches))
@@ -95,6 +95,7 @@ def test_every_generate_flag_reaches_the_sampling_the_engine_or_the_output(monke
     assert (load["draft"], load["target"]) == ("d", "t")
     assert (load["config"].dtype, load["config"].device, load["config"].num_threads) == ("float32", "cpu", 1)
     assert (load["config"].backend, load["config"].draft_backend) == ("torch", "llama.cpp")
+    assert load["config"].step == "static"
     _warm, (prompts, params, policy), (_, base_params, base_policy) = calls["generate"]  # --compare: off too
     assert calls["encode"] == ("hi", True) and prompts == [[5, 6]] and policy == "static:3" and base_policy == "off"
     assert base_params == params and calls["validated"] == ([5, 6], params, "--max-tokens")

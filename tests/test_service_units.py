@@ -728,6 +728,7 @@ def test_every_dsde_serve_flag_reaches_the_service_or_its_cluster() -> None:
         "--prometheus-sd": ("none", "local", "prometheus_sd", None), "--num-cpus": ("3", "local", "num_cpus", 3),
         "--worker-niceness": ("5", "local", "worker_niceness", 5), "--backend": ("torch", "cfg", "backend", "torch"),
         "--draft-backend": ("llama.cpp", "cfg", "draft_backend", "llama.cpp"),
+        "--step": ("static", "cfg", "step", "static"),
     }
     flags = help_flags(parser(), "serve")
     assert flags == set(given), flags ^ set(given)

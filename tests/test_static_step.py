@@ -168,3 +168,22 @@ def test_fused_small_ops_equal_the_eager_ones(make_tiny_model) -> None:
         assert static.calls == {"static": 2, "eager": 0}
     finally:
         model.fuse(False)
+
+
+def test_a_loaded_model_makes_the_runner_of_its_step(make_tiny_model) -> None:
+    """EngineConfig.step reaches the runner: "static" builds the static step (captured at start-up on CUDA), "eager"
+    the ModelRunner; llama.cpp runs its own step and refuses "static", naming the field; a bad step is refused."""
+    from dsde_core.models.loader import LoadedModel
+
+    hf = make_tiny_model("qwen2")
+    model = LlamaModel.from_hf(hf.config, dict(hf.state_dict()), dtype=torch.float32, prepack=False)
+    loaded = LoadedModel(model, None, hf.config, "tiny")
+    runner = loaded.make_runner(3, 32, step="static", max_query=4)
+    assert isinstance(runner, StaticRunner) and runner.buckets == StepBuckets(3, 4)
+    assert type(loaded.make_runner(3, 32)) is ModelRunner
+    gguf = LoadedModel(None, None, hf.config, "tiny.gguf", "/nowhere/tiny.gguf", backend="llama.cpp")
+    with pytest.raises(ConfigError, match="step 'static' runs the torch forward") as e:
+        gguf.make_runner(3, 32, step="static", max_query=4)
+    assert e.value.field == "step"
+    with pytest.raises(ConfigError, match="step must be one of eager, static"):
+        EngineConfig(step="graphs")

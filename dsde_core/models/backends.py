@@ -19,6 +19,9 @@ from dsde_core.errors import ConfigError
 from dsde_core.models.packaged import EMBEDDED
 
 BACKENDS = ("auto", "torch", "llama.cpp")
+# the torch runner's step: "eager" (ModelRunner: any shape, the CPU's) or "static" (static_step.StaticRunner: bucketed
+# decode and verify forwards over persistent buffers; on CUDA captured as graphs, with fused small ops)
+STEPS = ("eager", "static")
 
 
 def llama_cpp_available() -> bool:

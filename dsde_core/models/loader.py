@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dsde_core.errors import ModelLoadError, UnsupportedArchitectureError, VocabularyMismatchError
+from dsde_core.errors import ConfigError, ModelLoadError, UnsupportedArchitectureError, VocabularyMismatchError
 from dsde_core.models.llama import SUPPORTED_MODEL_TYPES, LlamaModel, check_supported
 from dsde_core.models.packaged import EMBEDDED, ensure_embedded, ensure_gguf_file
 
@@ -49,17 +49,32 @@ class LoadedModel:
         """The width of the model's logits."""
         return self.model.args.vocab_size if self.model is not None else int(self.hf_config.vocab_size)
 
-    def make_runner(self, num_slots: int, max_seq_len: int, threads: int | None = None) -> Runner:
+    def make_runner(self, num_slots: int, max_seq_len: int, threads: int | None = None, step: str = "eager",
+                    max_query: int = 1) -> Runner:
         """The runner of this model over num_slots KV slots of max_seq_len positions each. threads: llama.cpp's
-        (default: every core this process may use; torch's are set process-wide by the caller)."""
+        (default: every core this process may use; torch's are set process-wide by the caller). step "static" (torch
+        only): the static step with query buckets up to max_query (1 + max_sl); on CUDA with the Triton attention
+        kernel, fused small ops and every bucket captured as a CUDA graph here, at start-up."""
         if self.backend == "llama.cpp":
+            if step != "eager":
+                raise ConfigError(f"step {step!r} runs the torch forward; {self.name} runs on llama.cpp", "step")
             from dsde_core.models.llama_cpp import LlamaCppRunner
 
             return LlamaCppRunner(self.path, num_slots, max_seq_len, threads=threads)
         from dsde_core.models.runner import ModelRunner
 
         assert self.model is not None
-        return ModelRunner(self.model, num_slots, max_seq_len)
+        if step == "eager":
+            return ModelRunner(self.model, num_slots, max_seq_len)
+        from dsde_core.models import triton_attention
+        from dsde_core.models.static_step import StaticRunner
+
+        cuda = self.model.device.type == "cuda"
+        runner = StaticRunner(self.model, num_slots, max_seq_len, max_query,
+                              attention="triton" if cuda and triton_attention.available() else "torch",
+                              graphs=cuda, fuse=cuda)
+        runner.capture()
+        return runner
 
 
 def load_model(
