@@ -86,6 +86,9 @@ def multinode_cluster() -> Iterator[MultiNode]:
     os.environ.update(CLUSTER_ENV)
     os.environ.pop("RAY_ADDRESS", None)
     temp_dir = Path(tempfile.mkdtemp(prefix="rmn", dir="/tmp"))  # short: Ray's socket paths have a length limit
+    # Cluster writes the head's address to /tmp/ray/ray_current_cluster whatever its temp_dir, and fails where no Ray
+    # has made /tmp/ray yet (a fresh machine)
+    Path("/tmp/ray").mkdir(exist_ok=True)
     dashboard_port = free_port()
     cluster = Cluster(initialize_head=True, shutdown_at_exit=False, head_node_args={
         "num_cpus": 2, "resources": {HEAD_RESOURCE: 16}, "include_dashboard": True, "dashboard_host": "127.0.0.1",
