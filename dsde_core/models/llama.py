@@ -213,7 +213,7 @@ def act_mul(gate_up: Tensor, act: nn.Module) -> Tensor:
 
 @dataclass(frozen=True)
 class SmallOps:
-    """The per-layer small ops between the matmuls. Eager by default; LlamaModel.fuse swaps in FUSED's, each
+    """The per-layer small ops between the matmuls. Eager by default; LlamaModel.fuse swaps in fused_ops()'s, each
     compiled by torch.compile into a kernel or two (on a GPU: a few launches a layer fewer, under a captured graph)."""
 
     rms_norm: Callable[..., Tensor] = rms_norm

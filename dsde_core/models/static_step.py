@@ -126,8 +126,8 @@ class StaticRunner:
         if bucket is None:
             self.calls["eager"] += 1
             return self.eager.forward(slots, tokens, num_logits, hidden)
-        self.calls["static"] += 1
         starts, qlens = self.eager.check(slots, tokens, num_logits)
+        self.calls["static"] += 1
         n = self._fill(bucket, slots, tokens, num_logits, starts, qlens)
         self.buf.copy_(self.packet, non_blocking=True)  # [size]: the one copy of the step's inputs
         if self._copied is not None:
