@@ -18,21 +18,13 @@ from typing import Any
 
 import torch
 
+from dsde_bench.backend import IdTokenizer
 from dsde_core.config import EngineConfig, SamplingParams
 from dsde_core.engine import Engine
 from dsde_core.models.runner import Runner
 from dsde_core.policies import make_policy
 from dsde_core.policies.stopping import DraftStop
 from dsde_core.workers import DraftTask, DraftWorker, Proposal, TargetWorker
-
-
-class IdTokenizer:
-    """Token i reads '<i>': enough for the engine's text stream."""
-
-    eos_token_id = None
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(f"<{i}>" for i in ids)
 
 
 class ControlledDraft(DraftWorker):

@@ -7,10 +7,8 @@ batched verification table B rows x q tokens at a longer context, which the one-
 
     python benchmarks/gpu_costs.py --configs DIR --out results/costs_h100.json   # DIR/{target,draft}.json
 
-With --step static the runners are the static step's (dsde_core/models/static_step.py: captured CUDA graphs, fused
-small ops, the Triton attention kernel) for forwards of up to --max-query tokens a row, eager beyond: the table the
-simulator prices the device-resident step with (`make bench-sim` takes results/gpu/costs_step_*.json as profile
-gpu-step when one is there).
+The static step's table (captured CUDA graphs, fused small ops) is written by gpu_step.py --costs-out with
+`costs_doc` below, from the runners it has captured already.
 """
 
 from __future__ import annotations
@@ -106,9 +104,6 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--device", default="cuda")
     p.add_argument("--context", type=int, default=512, help="cached tokens before the batched table's queries")
-    p.add_argument("--step", choices=("eager", "static"), default="eager",
-                   help="the runners: the eager forward (default) or the static step, captured and fused")
-    p.add_argument("--max-query", type=int, default=9, help="--step static: its longest query bucket (1 + max_sl)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_costs.py: no CUDA device here")
@@ -116,19 +111,10 @@ def main() -> None:
     target, tshape = random_model(args.configs / "target.json", dtype, args.device)
     draft, dshape = random_model(args.configs / "draft.json", dtype, args.device)
     slots, max_len = 64, 2048
-    prepared: dict[str, float] = {}
-    if args.step == "static":
-        t_run, d_run = (StaticRunner(m, slots, max_len, args.max_query, attention="triton", graphs=True, fuse=True)
-                        for m in (target, draft))
-        for role, run in (("target", t_run), ("draft", d_run)):
-            run.capture()
-            prepared |= {f"{role}_compile_s": run.compile_s, f"{role}_capture_s": run.capture_s}
-    else:
-        t_run, d_run = ModelRunner(target, slots, max_len), ModelRunner(draft, slots, max_len)
+    t_run, d_run = ModelRunner(target, slots, max_len), ModelRunner(draft, slots, max_len)
     command = "python benchmarks/gpu_costs.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items())
-    doc = costs_doc(t_run, d_run, {"target": tshape, "draft": dshape},
-                    "gpu-step" if args.step == "static" else "gpu-measured", args.context,
-                    {"command": command, "step": args.step, **prepared})
+    doc = costs_doc(t_run, d_run, {"target": tshape, "draft": dshape}, "gpu-measured", args.context,
+                    {"command": command})
     model = doc["model"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1))

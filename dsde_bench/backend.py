@@ -127,7 +127,9 @@ def hf_dir(loaded: Any) -> str:
 
 
 # ---- the tiny random pair ------------------------------------------------------------------------------------
-class _IdTokenizer:
+class IdTokenizer:
+    """Token i reads '<i>': enough for the engine's text stream, for models without a tokenizer (random weights)."""
+
     eos_token_id = None
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -177,7 +179,7 @@ def tiny_backend(max_batch: int = 4, max_seq_len: int = 512, max_sl: int = 20, n
                           draft_window=draft_window, draft_logit_noise=draft_noise)
     engine = Engine(TargetWorker(ModelRunner(target, max_batch, max_seq_len)),
                     DraftWorker.from_config(ModelRunner(draft, max_batch, max_seq_len), config),
-                    make_policy("off"), _IdTokenizer(), config, vocab_size=TINY_VOCAB)
+                    make_policy("off"), IdTokenizer(), config, vocab_size=TINY_VOCAB)
     desc = {"draft": f"tiny-random(noise={noise})", "target": "tiny-random", "dtype": "float32", "max_sl": max_sl,
             "max_seq_len": max_seq_len}
     if draft_noise:

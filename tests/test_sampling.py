@@ -9,8 +9,8 @@ from scipy.stats import chisquare
 
 from dsde_core.config import SamplingParams
 from dsde_core.errors import ConfigError
-from dsde_core.sampling import History, batch_probs, draft_dist, draft_dists, penalize, sample_level
-from dsde_core.verify import inverse_cdf, verify_batch
+from dsde_core.sampling import History, batch_probs, draft_dist, draft_dists, inverse_cdf, penalize, sample_level
+from dsde_core.verify import verify_batch
 from tests.reference_sampling import filter_logits, target_probs
 
 V = 6

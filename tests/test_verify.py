@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsde_core.sampling import inverse_cdf
 from dsde_core.syncs import SyncCounter
-from dsde_core.verify import inverse_cdf, pack_drafts, verify_batch
+from dsde_core.verify import pack_drafts, verify_batch
 
 
 def reference(p: torch.Tensor, greedy: bool, drafts: list[int], ids: torch.Tensor | None, q: torch.Tensor | None,

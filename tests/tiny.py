@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from dsde_bench.backend import IdTokenizer
 from dsde_core.config import EngineConfig
 from dsde_core.engine import Engine
 from dsde_core.models.llama import LlamaModel
@@ -21,15 +22,6 @@ from dsde_core.workers import DraftWorker, TargetWorker
 
 VOCAB = 96
 DEVICE = os.environ.get("DSDE_TEST_DEVICE", "cpu")  # "cuda": the engine tests on a GPU (benchmarks/gpu_check.sh)
-
-
-class IdTokenizer:
-    """Decodes token i to '<i>': enough for the engine's text stream."""
-
-    eos_token_id = None
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(f"<{i}>" for i in ids)
 
 
 @lru_cache(maxsize=4)

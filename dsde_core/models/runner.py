@@ -195,11 +195,16 @@ class ModelRunner:
 
     @staticmethod
     def _mask(qpos: torch.Tensor, max_k: int, window: int | None) -> torch.Tensor | None:
-        """[B, 1, Qmax, Kmax] bool (True = attend) for absolute query positions qpos [B, Qmax]; None if all True."""
+        """attention_mask over keys 0 .. max_k - 1; None if all True."""
         if qpos.shape[1] == 1 and qpos.shape[0] == 1 and (window is None or max_k <= window):
             return None  # one query at the end of the only sequence: attends to every key
-        kpos = torch.arange(max_k, device=qpos.device)
-        mask = kpos[None, None, :] <= qpos[:, :, None]  # causal; also excludes keys past each sequence's end
-        if window is not None:
-            mask &= kpos[None, None, :] > qpos[:, :, None] - window
-        return mask[:, None]
+        return attention_mask(qpos, torch.arange(max_k, device=qpos.device), window)
+
+
+def attention_mask(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[B, 1, Qmax, K] bool (True = attend) for absolute query positions qpos [B, Qmax] over key positions kpos [K]:
+    causal (which also excludes keys past each sequence's end), and inside the sliding window if there is one."""
+    mask = kpos[None, None, :] <= qpos[:, :, None]
+    if window is not None:
+        mask &= kpos[None, None, :] > qpos[:, :, None] - window
+    return mask[:, None]

@@ -30,7 +30,7 @@ import torch
 from dsde_core.errors import ConfigError
 from dsde_core.models.kv_cache import KVCache
 from dsde_core.models.llama import AttnGroup, Batch, LlamaModel
-from dsde_core.models.runner import ModelRunner
+from dsde_core.models.runner import ModelRunner, attention_mask
 
 log = logging.getLogger(__name__)
 
@@ -190,20 +190,12 @@ class StaticRunner:
         else:
             # query i of row r sits at lens - qlens + i (padding queries repeat the last real one: never all masked)
             qpos = lens[:, None] - qlens[:, None] + torch.minimum(self._col[:qb][None, :], qlens[:, None] - 1)
-            masks = {w: self._mask(qpos, w) for w in runner.windows}  # [Bb, 1, Qb, M] each
+            masks = {w: attention_mask(qpos, self._kpos, w) for w in runner.windows}  # [Bb, 1, Qb, M] each
             group = AttnGroup(qb, self._kpos.shape[0], masks, slots=slots,
                               upcast=qb == 1 and runner.upcast_single_query)
         b = Batch(self._view("tokens", t), runner.cos[wpos][:, None], runner.sin[wpos][:, None], [group],
                   self._all[:t], write_slots=wslot, write_pos=wpos)
         return self.model(b, runner.cache.k, runner.cache.v, hidden=True)
-
-    def _mask(self, qpos: torch.Tensor, window: int | None) -> torch.Tensor:
-        """[Bb, 1, Qb, M] bool (True = attend) over the whole cache length M for query positions qpos [Bb, Qb]."""
-        k = self._kpos[None, None, :]
-        mask = k <= qpos[:, :, None]  # causal, and no key past the row's length
-        if window is not None:
-            mask &= k > qpos[:, :, None] - window
-        return mask[:, None]
 
     def _replay(self, bucket: tuple[int, int]) -> torch.Tensor:
         graph = self.graphs.get(bucket)
