@@ -62,7 +62,7 @@ class SamplingParams:
     skip_special_tokens: bool = True  # vLLM's: special tokens' text is left out of the output text (not its ids)
     logprobs: int | None = None  # None: none; n: each output token's log-probability and the n likeliest (sampling.py)
     prompt_logprobs: int | None = None  # the same for each prompt token after the first (what an echo reports)
-    presence_penalty: float = 0.0  # subtracted from the logit of each token the output holds (sampling.penalize)
+    presence_penalty: float = 0.0  # subtracted from the logit of each token the output holds (processors.process)
     frequency_penalty: float = 0.0  # ... times the number of times the output holds it
     repetition_penalty: float = 1.0  # divides a positive logit (multiplies a negative one) of prompt and output tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to that token's logit (a dict is taken)

@@ -1,4 +1,5 @@
-"""Sampling: logits processors and the draft's sparse top-K distribution (verification: dsde_core/verify.py).
+"""Sampling: the sampling filters and the draft's sparse top-K distribution (the per-request logits processors:
+dsde_core/processors.py; verification: dsde_core/verify.py).
 
 Shapes: V = vocabulary, K = draft top-K (what crosses from draft to target), k = draft tokens this step.
 """
@@ -30,77 +31,6 @@ def make_generator(seed: int | None, stream: int, device: str = "cpu", emitted: 
     else:
         gen.manual_seed(hash((seed, stream, emitted)) % (1 << 63))
     return gen
-
-
-HELD = -1e9  # the logit of a token held off (min_tokens): finite, so 0 * logit stays 0 in an entropy
-
-
-def add_bias(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [n, V] -> logits [n, V] + the request's logit_bias (OpenAI's: l_t <- l_t + b_t at every position)."""
-    if not params.logit_bias:
-        return logits
-    ids = torch.tensor([i for i, _ in params.logit_bias], device=logits.device)  # [b]
-    out = logits.clone()
-    out[:, ids] += torch.tensor([b for _, b in params.logit_bias], dtype=out.dtype, device=out.device)
-    return out
-
-
-def hold_stops(logits: torch.Tensor, params: SamplingParams, produced: int) -> torch.Tensor:
-    """logits [n, V], row j after `produced` + j output tokens -> the rows under min_tokens with the request's stop
-    token ids (the engine adds the end-of-sequence ids) at HELD, so they cannot end the request early."""
-    rows = min(logits.shape[0], params.min_tokens - produced)
-    if rows <= 0 or not params.stop_token_ids:
-        return logits
-    out = logits.clone()
-    out[:rows, list(params.stop_token_ids)] = HELD
-    return out
-
-
-@dataclass(frozen=True)
-class History:
-    """What penalties count before a step's drafts: every distinct token of the prompt and the output, sorted, and how
-    many times the output holds each (0 for a token only the prompt holds)."""
-
-    ids: torch.Tensor  # [m] int64
-    counts: torch.Tensor  # [m] fp32
-
-    @classmethod
-    def of(cls, prompt: Sequence[int], output: Sequence[int]) -> History:
-        ids = torch.tensor([*prompt, *output], dtype=torch.long).unique()  # [m], sorted
-        out_ids, out_counts = torch.tensor(list(output), dtype=torch.long).unique(return_counts=True)  # [u]
-        counts = torch.zeros(len(ids))
-        counts[torch.searchsorted(ids, out_ids)] = out_counts.float()
-        return cls(ids, counts)
-
-
-def penalize(logits: torch.Tensor, history: History, drafts: Sequence[int], params: SamplingParams,
-             first: int = 0) -> torch.Tensor:
-    """logits [n, V] at n consecutive positions, row j after the history and drafts[:first + j] -> penalized [n, V].
-
-    With c_t the number of times token t occurs in the output so far (drafts included), in this order:
-        repetition (CTRL; as transformers and vLLM), each t in prompt or output:  l_t <- l_t / r if l_t > 0 else l_t * r
-        frequency and presence (OpenAI's):  l_t <- l_t - c_t * frequency_penalty - [c_t > 0] * presence_penalty
-    A verified row is penalized for exactly the output target-only decoding has at its position (the drafts before it
-    accepted), so a step stays lossless. Only the logits of tokens seen change; `logits` is kept (a new tensor).
-    """
-    if not params.penalized:
-        return logits
-    r, freq, pres = params.repetition_penalty, params.frequency_penalty, params.presence_penalty
-    n = logits.shape[0]
-    d = torch.tensor(list(drafts[: first + n - 1]), dtype=torch.long)  # [e]: every draft some row follows
-    new = d[~torch.isin(d, history.ids)].unique()  # drafted tokens the history lacks
-    ids = torch.cat([history.ids, new])  # [m]: the only columns that change
-    before = (torch.arange(len(d) + 1)[:, None] > torch.arange(len(d))[None, :]).float()  # [e+1, e]: i sees d[:i]
-    in_drafts = before @ (d[:, None] == ids[None, :]).float()  # [e+1, m]: count of each id in drafts[:i]
-    c = torch.cat([history.counts, torch.zeros(len(new))]) + in_drafts[first : first + n]  # [n, m]
-    seen = (torch.arange(len(ids)) < len(history.ids)) | (c > 0)  # [n, m]: in the prompt, the output or the drafts
-    cols = logits[:, ids].float()  # [n, m]
-    if r != 1.0:
-        cols = torch.where(seen, torch.where(cols > 0, cols / r, cols * r), cols)
-    cols = cols - freq * c - pres * (c > 0).float()
-    out = logits.clone()
-    out[:, ids] = cols.to(out.dtype)
-    return out
 
 
 def batch_probs(logits: torch.Tensor, temperature: Sequence[float], top_k: Sequence[int], top_p: Sequence[float],

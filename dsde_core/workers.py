@@ -17,8 +17,8 @@ Sampling, verification and the KLD signal run batched on the device the logits a
 distributions and draws (sampling.draft_dists), the step's rejection sampler (dsde_core/verify.py) and the KLD at
 every drafted position, each read back in one copy (a draft level's tokens and distributions; a step's verdicts).
 The uniforms they draw by come from each request's own generator on the host, so a seed draws the same tokens on any
-device and in any batch. The per-request logits processors (stop tokens held, logit bias, penalties) run row by row
-on the device tensors before the batched part, and only for the requests that have them.
+device and in any batch. The per-request logits processors (stop tokens held, logit bias, penalties) go first, for
+the whole batch at once over each request's tables on the device (dsde_core/processors.py).
 """
 
 from __future__ import annotations
@@ -33,17 +33,14 @@ from dsde_core.errors import WorkerStateLost
 from dsde_core.models.runner import Runner
 from dsde_core.policies.adaedl import entropy_confidence, should_stop
 from dsde_core.policies.stopping import CONFIDENCE_AS_P, AcceptModel, DraftStop
+from dsde_core.processors import Processors, Span
 from dsde_core.sampling import (
     DraftDist,
-    History,
     TokenLogprob,
-    add_bias,
     batch_probs,
     draft_dists,
     draft_uniforms,
-    hold_stops,
     make_generator,
-    penalize,
     sample_level,
     signal_temperature,
     token_logprobs,
@@ -99,21 +96,7 @@ class _Slot:
     cached: list[int] = field(default_factory=list)  # committed[offset:...] whose KV are in the cache, in order
     matched: int = 0  # cached[:matched - offset] == committed[offset:matched] is known
     offset: int = 0  # committed tokens before the cache's first (a windowed draft skipped them)
-    prompt_len: int = 0  # committed[:prompt_len] is the prompt, the rest the output (penalties count the output)
-    history: tuple[int, History] | None = None  # (len(committed), History): what penalties count, kept per length
     score_row: torch.Tensor | None = None  # [D]: a prefill chunk's last hidden state, which predicts the next chunk's
-
-    def process(self, logits: torch.Tensor, drafts: list[int], first: int = 0) -> torch.Tensor:
-        """logits [n, V], row j at the position after the committed tokens and drafts[:first + j] -> the logits the
-        request samples from: stop tokens held off under min_tokens, its logit bias, then its penalties (vLLM's order;
-        the same tensor without any)."""
-        logits = add_bias(hold_stops(logits, self.params, len(self.committed) - self.prompt_len + first), self.params)
-        if not self.params.penalized:
-            return logits
-        if self.history is None or self.history[0] != len(self.committed):
-            cut = self.prompt_len
-            self.history = len(self.committed), History.of(self.committed[:cut], self.committed[cut:])
-        return penalize(logits, self.history[1], drafts, self.params, first)
 
 
 class _Worker:
@@ -125,17 +108,19 @@ class _Worker:
     def __init__(self, runner: Runner, window: int | None = None) -> None:
         self.runner = runner
         self.slots: dict[int, _Slot] = {}
+        self.processors = Processors()  # the open requests' logits processors (stop holds, bias, penalties)
         self.window = window  # an empty cache takes in at most the last `window` tokens (the draft's; never the target)
 
     def open(self, slot: int, params: SamplingParams, prompt_len: int = 0, emitted: int = 0) -> None:
         """An empty slot for a request with a prompt of prompt_len tokens that has emitted `emitted` (a reopened slot's
         seeded draws start a stream of their own: make_generator)."""
         self.runner.set_length(slot, 0)
-        self.slots[slot] = _Slot(params, make_generator(params.seed, self.stream, emitted=emitted),
-                                 prompt_len=prompt_len)
+        self.slots[slot] = _Slot(params, make_generator(params.seed, self.stream, emitted=emitted))
+        self.processors.open(slot, params, prompt_len)
 
     def release(self, slot: int) -> None:
         self.slots.pop(slot, None)
+        self.processors.release(slot)
         self.runner.set_length(slot, 0)
 
     def release_all(self) -> None:
@@ -222,17 +207,16 @@ class DraftWorker(_Worker):
 
     def _sample(self, live: list[DraftTask], logits: torch.Tensor,
                 out: dict[int, Proposal]) -> list[tuple[int, float, DraftDist]]:
-        """One level's draft tokens for the drafting rows, whose logits are `logits` [B, V]: each row processed for
-        its request, the level's distributions and draws batched on the device (sampling.draft_dists, sample_level,
-        the uniforms from each request's generator), read back in one copy -> (token, confidence, distribution) a
-        row."""
+        """One level's draft tokens for the drafting rows, whose logits are `logits` [B, V]: the rows processed for
+        their requests at once (Processors.process), the level's distributions and draws batched on the device
+        (sampling.draft_dists, sample_level, the uniforms from each request's generator), read back in one copy ->
+        (token, confidence, distribution) a row."""
         if not live:
             return []
         slots = [self.slots[t.slot] for t in live]
-        rows = [logits[r : r + 1] for r in range(len(live))]
-        done = [s.process(row, out[t.slot].tokens, len(out[t.slot].tokens)) for s, row, t in zip(slots, rows, live,
-                                                                                                  strict=True)]
-        z = logits if all(d is r for d, r in zip(done, rows, strict=True)) else torch.cat(done)  # [B, V]
+        drafted = [out[t.slot].tokens for t in live]
+        z = self.processors.process(logits, [Span(t.slot, 1, s.committed, d, len(d))
+                                             for t, s, d in zip(live, slots, drafted, strict=True)])  # [B, V]
         level = draft_dists(z, [s.params for s in slots], self.top_k, [t.min_confidence is not None for t in live])
         tokens, conf = sample_level(level, draft_uniforms([None if s.params.greedy else s.gen for s in slots]))
         k = level.ids.shape[1]
@@ -298,10 +282,10 @@ class TargetWorker(_Worker):
 
     def _judge(self, tasks: list[VerifyTask], logits: torch.Tensor) -> list[Verdict]:
         """The verdicts of the judged rows, whose positions' logits are packed in `logits` [N, V] (row i's k_i + 1
-        in order). Each row's logits are processed for its request (stop tokens held, logit bias, penalties: its own
-        tables), then the batch goes at once, packed (a ragged batch costs what its positions do): the sampled rows'
-        distributions (sampling.batch_probs), one rejection sampler (verify.verify_batch) and the KLD signal at
-        every drafted position, on the logits' device, read back together in one copy."""
+        in order). The whole step goes at once, packed (a ragged batch costs what its positions do): the positions
+        processed for their requests (Processors.process), the sampled rows' distributions (sampling.batch_probs),
+        one rejection sampler (verify.verify_batch) and the KLD signal at every drafted position, on the logits'
+        device, read back together in one copy."""
         if not tasks:
             return []
         dev = logits.device
@@ -311,8 +295,8 @@ class TargetWorker(_Worker):
         lens = [len(d) + 1 for d in drafts]
         offsets = [0, *itertools.accumulate(lens)][:-1]
         raws = list(torch.split(logits, lens))  # [k_i + 1, V] each
-        processed = [s.process(raw, d) for s, raw, d in zip(slots, raws, drafts, strict=True)]
-        z = logits if all(p is r for p, r in zip(processed, raws, strict=True)) else torch.cat(processed)  # [N, V]
+        z = self.processors.process(logits, [Span(t.slot, n, s.committed, d)
+                                             for t, s, n, d in zip(tasks, slots, lens, drafts, strict=True)])  # [N, V]
         greedy = [s.params.greedy for s in slots]
         sampled = [r for r, g in enumerate(greedy) if not g]
         target, u = z, torch.zeros(len(tasks), max(lens))  # u [R, k + 1]: a sampled row's acceptance uniforms, then

@@ -9,9 +9,9 @@ from scipy.stats import chisquare
 
 from dsde_core.config import SamplingParams
 from dsde_core.errors import ConfigError
-from dsde_core.sampling import History, batch_probs, draft_dist, draft_dists, inverse_cdf, penalize, sample_level
+from dsde_core.sampling import batch_probs, draft_dist, draft_dists, inverse_cdf, sample_level
 from dsde_core.verify import verify_batch
-from tests.reference_sampling import filter_logits, target_probs
+from tests.reference_sampling import History, filter_logits, penalize, target_probs
 
 V = 6
 P = torch.tensor([

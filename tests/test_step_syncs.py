@@ -16,9 +16,13 @@ from dsde_core.syncs import SyncCounter
 from dsde_core.workers import DraftWorker, TargetWorker
 from tests.tiny import VOCAB, IdTokenizer, random_prompts, tiny_pair
 
+PROCESSED = dict(presence_penalty=0.5, repetition_penalty=1.2, logit_bias={3: 2.0}, min_tokens=50,
+                 stop_token_ids=(7,))
 
-def steady_step(policy: str) -> tuple[Counter[str], Engine]:
-    """The host reads of one step of greedy and sampled rows past their prefills (no prefill or catch-up in it)."""
+
+def steady_step(policy: str, processed: bool = False) -> tuple[Counter[str], Engine]:
+    """The host reads of one step of greedy and sampled rows past their prefills (no prefill or catch-up in it); with
+    `processed`, every row has penalties, a logit bias and stop tokens held under min_tokens too."""
     target, draft = tiny_pair()
     config = EngineConfig(max_batch_size=4, max_seq_len=128, dtype="float32", max_sl=4)
     engine = Engine(TargetWorker(StaticRunner(target, 4, 128, 5)),
@@ -26,7 +30,7 @@ def steady_step(policy: str) -> tuple[Counter[str], Engine]:
                     IdTokenizer(), config, vocab_size=VOCAB)
     for i, p in enumerate(random_prompts(3, seed=2, min_len=8, max_len=12)):
         engine.add_request(p, SamplingParams(max_tokens=60, temperature=0.0 if i % 2 == 0 else 1.0, seed=i,
-                                             top_p=0.9 if i == 1 else 1.0))
+                                             top_p=0.9 if i == 1 else 1.0, **(PROCESSED if processed else {})))
     for _ in range(3):
         engine.step()
     calls = {id(r): dict(r.runner.calls) for r in (engine.target, engine.draft)}
@@ -37,9 +41,10 @@ def steady_step(policy: str) -> tuple[Counter[str], Engine]:
     return c.syncs, engine
 
 
+@pytest.mark.parametrize("processed", [False, True], ids=["plain", "processed"])
 @pytest.mark.parametrize("k", [1, 3])
-def test_a_speculative_step_reads_back_once_a_draft_level_and_once_for_its_verdicts(k: int) -> None:
-    syncs, engine = steady_step(f"static:{k}")
+def test_a_speculative_step_reads_back_once_a_draft_level_and_once_for_its_verdicts(k: int, processed: bool) -> None:
+    syncs, engine = steady_step(f"static:{k}", processed)
     assert engine.step_log[-1].ks == [k] * 3  # every row drafted k tokens: k levels
     assert syncs == Counter({"cpu": k, "tolist": k + 1}), syncs  # a level: its copy and that copy's scalars
 

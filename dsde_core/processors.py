@@ -1,0 +1,189 @@
+"""Per-request logits processors as tables on the logits' device, applied to a step's packed positions at once.
+
+A request's processors, in vLLM's order: its stop tokens held off under min_tokens, its logit bias, its penalties.
+With c_t the number of times token t occurs in the output before a position (the drafts before it included):
+    held (the position is under min_tokens), t a stop token:  l_t <- HELD
+    logit bias (OpenAI's):  l_t <- l_t + b_t
+    repetition (CTRL; as transformers and vLLM), t in the prompt or c_t > 0:  l_t <- l_t / r if l_t > 0 else l_t * r
+    frequency and presence (OpenAI's):  l_t <- l_t - c_t * frequency_penalty - [c_t > 0] * presence_penalty
+A verified position is processed for exactly the output target-only decoding has there (the drafts before it
+accepted), so a step stays lossless.
+
+Only the logits of tokens a request has a reason to change move: its columns, the distinct tokens of its prompt and
+output, the drafts proposed for it, its biased and stop tokens. Each request that processes owns a row of one table
+on the device, [R, FIELDS, M], column j of row r describing token ids[j]:
+    ids      the token (ids < 2^24 are exact in fp32, so one float table holds all fields and a step gathers once)
+    counts   c: how many times the output holds it
+    bias     b
+    prompt   1 where the prompt holds it
+    stop     1 where it is a stop token (the engine adds the end-of-sequence ids)
+A request's row is updated with only the tokens it commits (new columns, prompt marks, count increments: one scatter
+each for the whole step). A step then gathers its positions' rows [P, FIELDS, M'] (M': the step's widest row), adds
+the drafts before each position to its counts, runs the formulas above on [P, M'] and scatters the results into a copy
+of the logits. Columns beyond a row's own repeat its first column, so they compute and write the same value again.
+Nothing is read back and no op's shape depends on the data; the work is the columns', not the vocabulary's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dsde_core.config import SamplingParams
+from dsde_core.errors import ConfigError
+
+HELD = -1e9  # the logit of a token held off (min_tokens): finite, so 0 * logit stays 0 in an entropy
+FIELDS = IDS, COUNTS, BIAS, PROMPT, STOP = range(5)  # a table row's fields
+
+
+def processes(params: SamplingParams) -> bool:
+    """Whether a request's logits change before sampling (any of stop holds, logit bias, penalties)."""
+    return bool(params.min_tokens and params.stop_token_ids) or bool(params.logit_bias) or params.penalized
+
+
+@dataclass
+class _Request:
+    params: SamplingParams
+    prompt_len: int
+    row: int  # its row of the table
+    cols: dict[int, int] = field(default_factory=dict)  # token id -> its column
+    pending: list[tuple[int, int, float]] = field(default_factory=list)  # (field, column, value) not written yet
+    taken: int = 0  # committed tokens counted so far
+
+    @property
+    def produced(self) -> int:
+        """Output tokens committed (and counted) so far."""
+        return max(self.taken - self.prompt_len, 0)
+
+    def col(self, token: int) -> int:
+        """The token's column (a new one, its id pending, the first time)."""
+        if token not in self.cols:
+            self.cols[token] = len(self.cols)
+            self.pending.append((IDS, self.cols[token], float(token)))
+        return self.cols[token]
+
+    def take(self, committed: Sequence[int], drafts: Sequence[int]) -> None:
+        """Count the committed tokens not counted yet; with penalties, their columns, prompt marks and counts
+        pending, and columns for the drafts."""
+        if self.params.penalized:
+            for i in range(self.taken, len(committed)):
+                self.pending.append((PROMPT if i < self.prompt_len else COUNTS, self.col(committed[i]), 1.0))
+            for x in drafts:
+                self.col(x)
+        self.taken = len(committed)
+
+
+@dataclass(frozen=True)
+class Span:
+    """n consecutive positions of one row of a packed batch: position j follows the request's committed tokens and
+    drafts[:first + j]. slot None: the row's request processes nothing."""
+
+    slot: int | None
+    n: int
+    committed: Sequence[int] = ()
+    drafts: Sequence[int] = ()
+    first: int = 0
+
+
+class Processors:
+    """The processor tables of one worker's requests (the table made on the logits' device when first needed)."""
+
+    def __init__(self) -> None:
+        self.requests: dict[int, _Request] = {}  # slot -> the request open there that processes
+        self.table: torch.Tensor | None = None  # [R, FIELDS, M]
+        self._free: list[int] = []  # rows of the table no request holds (zeroed)
+        self._rows = 0  # rows handed out so far
+
+    def open(self, slot: int, params: SamplingParams, prompt_len: int) -> None:
+        """A new request at `slot` (nothing kept for one that processes nothing)."""
+        self.release(slot)
+        if not processes(params):
+            return
+        row = self._free.pop() if self._free else self._rows
+        self._rows = max(self._rows, row + 1)
+        req = self.requests[slot] = _Request(params, prompt_len, row)
+        req.pending += [(BIAS, req.col(i), b) for i, b in params.logit_bias]
+        if params.min_tokens:
+            req.pending += [(STOP, req.col(i), 1.0) for i in params.stop_token_ids]
+
+    @torch.inference_mode()  # the table is an inference tensor where the workers made it
+    def release(self, slot: int) -> None:
+        req = self.requests.pop(slot, None)
+        if req is not None:
+            if self.table is not None and req.row < self.table.shape[0]:
+                self.table[req.row].zero_()
+            self._free.append(req.row)
+
+    @torch.inference_mode()
+    def process(self, logits: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor:
+        """logits [N, V] packed by `spans` (N = sum of n) -> the logits each position samples from: the processed
+        positions through their requests' tables (the module's formulas), the rest as they are; `logits` itself when no
+        row processes (else a new tensor, `logits` kept)."""
+        dev = logits.device
+        pos, reqs, held, pairs = [], [], [], []  # [P] position, [P] request, [P] held, (p, column) of the drafts
+        updates: list[tuple[int, int, int, float]] = []  # (row, field, column, value) of the step's requests
+        start = 0
+        for s in spans:
+            req = self.requests.get(s.slot) if s.slot is not None else None
+            if req is not None:
+                req.take(s.committed, s.drafts)
+                updates += [(req.row, f, c, v) for f, c, v in req.pending]
+                req.pending.clear()
+                for j in range(s.n):
+                    pairs += [(len(pos), req.cols[x]) for x in s.drafts[: s.first + j]] if req.params.penalized else []
+                    pos.append(start + j)
+                    reqs.append(req)
+                    held.append(req.produced + s.first + j < req.params.min_tokens)
+            start += s.n
+        if not pos:
+            return logits
+        if logits.shape[-1] > 1 << 24:
+            raise ConfigError(f"logits processors hold token ids in fp32: a vocabulary of {logits.shape[-1]} > 2^24")
+        width = max(len(q.cols) for q in reqs)
+        table = self._fit(dev, width)
+        for add in (False, True):  # new columns, bias, stop and prompt marks (set), then output counts (added)
+            part = [u for u in updates if (u[1] == COUNTS) == add]
+            if part:
+                r, f, c = torch.tensor([u[:3] for u in part], device=dev).T  # [u] each
+                table.index_put_((r, f, c), torch.tensor([u[3] for u in part], device=dev), accumulate=add)
+        t = table.index_select(0, torch.tensor([q.row for q in reqs], device=dev))[:, :, :width]  # [P, FIELDS, M']
+        if pairs:  # the drafts before each position join its counts
+            p, c = torch.tensor(pairs, device=dev).T
+            t.index_put_((p, torch.full_like(p, COUNTS), c), torch.ones(len(pairs), device=dev), accumulate=True)
+        cols = torch.arange(width, device=dev)
+        ncols = torch.tensor([len(q.cols) for q in reqs], device=dev)  # [P]
+        own = torch.where(cols < ncols[:, None], cols, 0)  # [P, M']: columns beyond a row's own repeat its first
+        t = t.gather(2, own[:, None, :].expand(-1, len(FIELDS), -1))
+        ids, counts = t[:, IDS].long(), t[:, COUNTS]  # [P, M'] each
+        at = torch.tensor(pos, device=dev)[:, None].expand_as(ids)  # [P, M']
+        z = logits[at, ids]  # [P, M']
+        z = torch.where((t[:, STOP] > 0) & torch.tensor(held, device=dev)[:, None], HELD, z)
+        z = z + t[:, BIAS]
+        params = [q.params for q in reqs]
+        if any(q.penalized for q in params):
+            r, freq, pres = torch.tensor([[q.repetition_penalty, q.frequency_penalty, q.presence_penalty]
+                                          for q in params], device=dev).T[:, :, None]  # [P, 1] each
+            if any(q.repetition_penalty != 1.0 for q in params):
+                seen = (t[:, PROMPT] > 0) | (counts > 0)
+                z = torch.where(seen, torch.where(z > 0, z / r, z * r), z)
+            z = z - freq * counts - pres * (counts > 0).float()
+        out = logits.clone()
+        out[at, ids] = z  # a repeated column writes the value its first copy does
+        return out
+
+    def _fit(self, dev: torch.device, width: int) -> torch.Tensor:
+        """The table on `dev` with a row for every request and at least `width` columns (grown by doubling)."""
+        rows, cols = (1, 1) if self.table is None else self.table.shape[::2]
+        need_rows, need_cols = max(rows, 8), max(cols, 64)
+        while need_rows < self._rows:
+            need_rows *= 2
+        while need_cols < width:
+            need_cols *= 2
+        if self.table is None or (need_rows, need_cols) != (rows, cols) or self.table.device != dev:
+            grown = torch.zeros(need_rows, len(FIELDS), need_cols, device=dev)
+            if self.table is not None:
+                grown[:rows, :, :cols] = self.table.to(dev)
+            self.table = grown
+        return self.table
