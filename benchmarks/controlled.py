@@ -29,18 +29,19 @@ from dsde_core.workers import DraftTask, DraftWorker, Proposal, TargetWorker
 
 class ControlledDraft(DraftWorker):
     """A DraftWorker whose proposals are replaced as the module doc says; `references` maps a prompt to its greedy
-    target-only sequence (prompt and output)."""
+    target-only sequence (prompt and output). Every prompt has one length, so a row's prompt is its first tokens."""
 
     def __init__(self, runner: Runner, config: EngineConfig, alpha: float,
                  references: dict[tuple[int, ...], list[int]], seed: int = 0) -> None:
         super().__init__(runner, config.draft_top_k, config.draft_logit_noise, config.draft_window)
         self.alpha, self.references, self.rng = alpha, references, random.Random(seed)
+        (self.prompt_len,) = {len(p) for p in references}
 
     def propose(self, tasks: list[DraftTask], stop: DraftStop | None = None) -> list[Proposal]:
         out = super().propose(tasks, stop)
         for p in out:
             s = self.slots[p.slot]
-            truth = self.references[tuple(s.committed[: s.prompt_len])]
+            truth = self.references[tuple(s.committed[: self.prompt_len])]
             at = len(s.committed)  # the position of the row's first drafted token
             for j in range(len(p.tokens)):
                 x = truth[at + j]
@@ -71,6 +72,8 @@ def run_engine(target: Runner, draft: Runner | None, config: EngineConfig, polic
     t0 = time.perf_counter()
     engine.run()
     sync()
+    if worker is not None and (draft_health := engine.health["draft"]).failures:  # it went on target-only
+        raise RuntimeError(f"the controlled draft failed: {draft_health.last_error}")
     return time.perf_counter() - t0, [r.output_ids for r in reqs], reqs
 
 
