@@ -86,16 +86,17 @@ def _cpu_flags() -> str:
 def load_backend(draft: str = DEFAULT_DRAFT, target: str = DEFAULT_TARGET, dtype: str = "bfloat16",
                  max_batch: int = 4, max_seq_len: int = 2048, max_sl: int = 20,
                  num_threads: int | None = None, draft_noise: float = 0.0, draft_window: int | None = None,
-                 backend: str = "auto", draft_backend: str | None = None) -> Backend:
+                 backend: str = "auto", draft_backend: str | None = None, step: str = "eager") -> Backend:
     """The real pair through dsde_core's loader (embedded name, HF directory or GGUF file). draft_noise: Gaussian
     noise on the draft's logits (a deliberately weak draft; the transformers anchor does not see it). draft_window:
     EngineConfig.draft_window (None: off, the default engine; the anchor does not see it either). backend,
-    draft_backend: each model's runner (EngineConfig's); the anchor runs transformers on the torch conversion."""
+    draft_backend: each model's runner (EngineConfig's); the anchor runs transformers on the torch conversion.
+    step: the torch runners' step (EngineConfig.step)."""
     from dsde_core.llm import SpeculativeLLM
 
     config = EngineConfig(max_batch_size=max_batch, max_seq_len=max_seq_len, max_sl=max_sl, dtype=dtype,
                           num_threads=num_threads, draft_logit_noise=draft_noise, draft_window=draft_window,
-                          backend=backend, draft_backend=draft_backend)
+                          backend=backend, draft_backend=draft_backend, step=step)
     llm = SpeculativeLLM.load(draft=draft, target=target, config=config, policy="off")
 
     def hf_pair() -> tuple[Any, Any]:
@@ -107,12 +108,19 @@ def load_backend(draft: str = DEFAULT_DRAFT, target: str = DEFAULT_TARGET, dtype
 
     desc = {"draft": draft, "target": target, "dtype": dtype, "max_sl": max_sl, "max_seq_len": max_seq_len,
             "backend": llm.target.backend, "draft_backend": llm.draft.backend if llm.draft else None}
+    _note_options(desc, draft_noise, draft_window, step)
+    return Backend(llm.engine, lambda text: llm.encode(text, chat=True), desc, hf_pair,
+                   pad_token_id=llm.tokenizer.eos_token_id)
+
+
+def _note_options(desc: dict[str, Any], draft_noise: float, draft_window: int | None, step: str) -> None:
+    """Name in a backend's description the engine options that are not the default's."""
     if draft_noise:
         desc["draft_noise"] = draft_noise
     if draft_window is not None:
         desc["draft_window"] = draft_window
-    return Backend(llm.engine, lambda text: llm.encode(text, chat=True), desc, hf_pair,
-                   pad_token_id=llm.tokenizer.eos_token_id)
+    if step != "eager":
+        desc["step"] = step
 
 
 def hf_dir(loaded: Any) -> str:
@@ -165,25 +173,24 @@ def tiny_encode(text: str, max_tokens: int = 48) -> list[int]:
 
 
 def tiny_backend(max_batch: int = 4, max_seq_len: int = 512, max_sl: int = 20, noise: float = 0.03,
-                 seed: int = 0, draft_window: int | None = None, draft_noise: float = 0.0) -> Backend:
+                 seed: int = 0, draft_window: int | None = None, draft_noise: float = 0.0,
+                 step: str = "eager") -> Backend:
     """A random-weight 2-layer Qwen2 target and a noisy copy as draft (`noise`: of its weights), fp32: every code path
-    in seconds. draft_noise: Gaussian noise on the draft's logits, as load_backend's."""
+    in seconds. draft_noise, step: as load_backend's."""
     from dsde_core.models.llama import LlamaModel
-    from dsde_core.models.runner import ModelRunner
+    from dsde_core.models.loader import torch_runner
     from dsde_core.workers import DraftWorker, TargetWorker
 
     hf_target, hf_draft = _tiny_hf(seed, noise)
     target = LlamaModel.from_hf(hf_target.config, _copy(hf_target), dtype=torch.float32)
     draft = LlamaModel.from_hf(hf_draft.config, _copy(hf_draft), dtype=torch.float32)
     config = EngineConfig(max_batch_size=max_batch, max_seq_len=max_seq_len, max_sl=max_sl, dtype="float32",
-                          draft_window=draft_window, draft_logit_noise=draft_noise)
-    engine = Engine(TargetWorker(ModelRunner(target, max_batch, max_seq_len)),
-                    DraftWorker.from_config(ModelRunner(draft, max_batch, max_seq_len), config),
+                          draft_window=draft_window, draft_logit_noise=draft_noise, step=step)
+    shape = (max_batch, max_seq_len, step, max_sl + 1)
+    engine = Engine(TargetWorker(torch_runner(target, *shape)),
+                    DraftWorker.from_config(torch_runner(draft, *shape), config),
                     make_policy("off"), IdTokenizer(), config, vocab_size=TINY_VOCAB)
     desc = {"draft": f"tiny-random(noise={noise})", "target": "tiny-random", "dtype": "float32", "max_sl": max_sl,
             "max_seq_len": max_seq_len}
-    if draft_noise:
-        desc["draft_noise"] = draft_noise
-    if draft_window is not None:
-        desc["draft_window"] = draft_window
+    _note_options(desc, draft_noise, draft_window, step)
     return Backend(engine, tiny_encode, desc, lambda: (hf_target, hf_draft), pad_token_id=0)

@@ -30,7 +30,7 @@ from dsde_bench.probe import PROBE_FORWARDS
 from dsde_bench.rounds import ROUND_ORDERS
 from dsde_bench.serve_client import ENDPOINTS
 from dsde_bench.workloads import DEFAULT_MAX_CHARS, load_workload, parse_workloads
-from dsde_cli.flags import add_backend_flags
+from dsde_cli.flags import add_backend_flags, add_step_flag
 from dsde_core.errors import ConfigError, DSDEError
 
 RESULTS, PAGE = "results", "BENCHMARKS.md"  # the published results folder and the page made from it
@@ -119,6 +119,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--threads", type=int, default=None,
                    help="torch and llama.cpp threads (default: torch's, every core)")
     add_backend_flags(m)
+    add_step_flag(m)
     m.add_argument("--draft-noise", type=float, default=0.0,
                    help="std of Gaussian noise on the draft's logits: a deliberately weak draft (default 0)")
     m.add_argument("--draft-window", type=int, default=None, metavar="N",
@@ -207,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
 # The rest (--workloads, --num-prompts, --max-tokens, --seed, --max-chars and the output's) every mode reads.
 _GRID, _SIM, _URL = "the in-process grid", "--simulate", "--url"
 _MODELS = ("--draft", "--target", "--dtype", "--max-sl", "--max-seq-len", "--threads", "--draft-noise", "--tiny",
-           "--backend", "--draft-backend")
+           "--backend", "--draft-backend", "--step")
 _READ_BY: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("--policies", "--batch-sizes", "--anchor", "--no-anchor", "--ignore-eos", "--length-spread",
                      "--repeats", "--round-order", "--probe-forwards", "--draft-window"), (_GRID,)),
@@ -329,12 +330,12 @@ def backend(args: argparse.Namespace, max_batch: int) -> Any:
 
     if args.tiny:
         return tiny_backend(max_batch=max_batch, max_sl=args.max_sl, max_seq_len=min(args.max_seq_len, 1024),
-                            draft_window=args.draft_window, draft_noise=args.draft_noise)
+                            draft_window=args.draft_window, draft_noise=args.draft_noise, step=args.step)
     kw = {k: v for k, v in (("draft", args.draft), ("target", args.target)) if v}
     print(f"loading models ({args.dtype}) ...", file=sys.stderr)
     return load_backend(dtype=args.dtype, max_batch=max_batch, max_seq_len=args.max_seq_len, max_sl=args.max_sl,
                         num_threads=args.threads, draft_noise=args.draft_noise, draft_window=args.draft_window,
-                        backend=args.backend, draft_backend=args.draft_backend, **kw)
+                        backend=args.backend, draft_backend=args.draft_backend, step=args.step, **kw)
 
 
 def grid_config(args: argparse.Namespace) -> Any:
@@ -380,7 +381,8 @@ def _simulate(args: argparse.Namespace) -> int:
 
     desc = {"draft": "tiny" if args.tiny else (args.draft or "qwen2.5-coder-0.5b-instruct"),
             "target": "tiny" if args.tiny else (args.target or "qwen2.5-coder-1.5b-instruct"), "dtype": args.dtype,
-            "backend": args.backend, "draft_backend": args.draft_backend}
+            "backend": args.backend, "draft_backend": args.draft_backend,
+            **({"step": args.step} if args.step != "eager" else {})}
     cfg = session.SimulateConfig(
         workloads=tuple(parse_workloads(args.workloads or ("all" if args.full else SMALL_WORKLOADS))),
         num_prompts=args.num_prompts or (16 if args.full else 4),

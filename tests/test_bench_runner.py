@@ -262,6 +262,28 @@ def test_draft_window_reaches_the_grid_engine_and_nothing_else(tmp_path, capsys)
     assert not any(tmp_path.iterdir())
 
 
+def test_step_reaches_both_runners_of_the_grid_engine(tmp_path, capsys) -> None:
+    """--step static: the grid's target and draft run the static step and the run's backend records it; eager (the
+    default) records nothing; --url refuses it and llama.cpp models are an error naming the step."""
+    from dsde_core.models.runner import ModelRunner
+    from dsde_core.models.static_step import StaticRunner
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    static = cli.backend(parser.parse_args(["--tiny", "--step", "static", "--max-sl", "4"]), 2)
+    assert all(isinstance(w.runner, StaticRunner) for w in (static.engine.target, static.engine.draft))
+    assert static.engine.target.runner.buckets.max_query == 5 and static.description["step"] == "static"
+    eager = cli.backend(parser.parse_args(["--tiny"]), 2)
+    assert all(type(w.runner) is ModelRunner for w in (eager.engine.target, eager.engine.draft))
+    assert "step" not in eager.description
+    rc = cli.main(["--url", "http://127.0.0.1:9", "--step", "static", "--results-dir", str(tmp_path), "--no-report"])
+    assert rc == 2 and "--step does not apply to --url" in capsys.readouterr().err
+    rc = cli.main(["--backend", "llama.cpp", "--step", "static", "--results-dir", str(tmp_path), "--no-report"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "step 'static' runs the torch forward" in err and "Traceback" not in err, err
+    assert not any(tmp_path.iterdir())
+
+
 @needs_data
 def test_cli_grid_and_report(tmp_path, capsys) -> None:
     res = tmp_path / "results"

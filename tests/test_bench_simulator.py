@@ -242,6 +242,29 @@ def test_a_costs_file_is_a_named_profile(tmp_path) -> None:
         load_costs_file("x", tmp_path / "bad.json")
 
 
+def test_a_cached_cost_table_prices_only_the_runners_it_was_timed_on(tmp_path) -> None:
+    """The `measured` profile reuses results/costs-tiny.json for the same pair and runners, and times them again for
+    runners the flags chose otherwise (--step static, --backend torch): one table does not price another step."""
+    from dsde_bench.sim import session
+
+    built = []
+
+    def backend(step: str = "eager"):
+        built.append(step)
+        return tiny_backend(max_batch=2, max_sl=4, step=step)
+
+    pair = {"draft": "tiny", "target": "tiny", "dtype": "float32"}
+    cfg = session.SimulateConfig(("code",), 1, 4, 4, pair, results_dir=tmp_path, tag="tiny")
+    first = session._measured(cfg, backend, dict)
+    assert session._measured(cfg, backend, dict) == first and built == ["eager"]  # the cached table
+    static = replace(cfg, backend={**pair, "step": "static"})
+    session._measured(static, lambda: backend("static"), dict)
+    assert built == ["eager", "static"]
+    assert json.loads((tmp_path / "costs-tiny.json").read_text())["backend"] == {**pair, "step": "static"}
+    session._measured(replace(cfg, backend={**pair, "backend": "torch"}), backend, dict)
+    assert built == ["eager", "static", "eager"]
+
+
 def test_a_cost_aware_policy_plans_with_the_draft_prefill_the_replay_prices() -> None:
     """A cold row's first draft step feeds its whole context to the draft, priced as draft_fwd(rows + context). The
     policy's StepCosts must charge the same: the slope of a table cut at the step's few tokens, which falls on the

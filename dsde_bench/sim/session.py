@@ -37,7 +37,8 @@ class SimulateConfig:
     num_prompts: int
     max_tokens: int
     horizon: int  # draft rollout recorded per position: the engine's max SL
-    backend: dict[str, Any]  # draft, target, dtype, draft_noise: what a cached trace or cost table must match
+    backend: dict[str, Any]  # draft, target, dtype, draft_noise (and the runners): what a cached trace or cost
+    # table must match
     results_dir: Path = Path("results")  # where bench.json is read (profile 'engine') and costs.json kept
     profiles: tuple[str, ...] = ("measured", "gpu")
     costs: tuple[str, ...] = ()  # NAME=FILE: a costs file as profile NAME
@@ -160,6 +161,8 @@ def _measured(cfg: SimulateConfig, backend: Callable[[], Backend], meta: Callabl
     path = cfg.results_dir / ("costs-tiny.json" if cfg.tag == "tiny" else "costs.json")
     cached = json.loads(path.read_text()) if path.exists() and not cfg.remeasure else None
     desc = {k: cfg.backend[k] for k in ("draft", "target", "dtype")}
+    # the runners when the flags chose them (a table timed on llama.cpp or the eager step prices neither other runner)
+    desc |= {k: v for k in ("backend", "draft_backend", "step") if (v := cfg.backend.get(k)) not in (None, "auto")}
     if cached and cached.get("backend") == desc and cached["model"].get("table"):
         return CostModel(**cached["model"])
     b = backend()

@@ -61,20 +61,28 @@ class LoadedModel:
             from dsde_core.models.llama_cpp import LlamaCppRunner
 
             return LlamaCppRunner(self.path, num_slots, max_seq_len, threads=threads)
-        from dsde_core.models.runner import ModelRunner
-
         assert self.model is not None
-        if step == "eager":
-            return ModelRunner(self.model, num_slots, max_seq_len)
-        from dsde_core.models import triton_attention
-        from dsde_core.models.static_step import StaticRunner
+        return torch_runner(self.model, num_slots, max_seq_len, step, max_query)
 
-        cuda = self.model.device.type == "cuda"
-        runner = StaticRunner(self.model, num_slots, max_seq_len, max_query,
-                              attention="triton" if cuda and triton_attention.available() else "torch",
-                              graphs=cuda, fuse=cuda)
-        runner.capture()
-        return runner
+
+def torch_runner(model: LlamaModel, num_slots: int, max_seq_len: int, step: str = "eager",
+                 max_query: int = 1) -> Runner:
+    """The torch runner of `model` for `step` (EngineConfig.step): the eager ModelRunner, or the static step with query
+    buckets up to max_query; on CUDA that one runs the Triton attention kernel and fused small ops, every bucket
+    captured as a CUDA graph here, at start-up."""
+    from dsde_core.models.runner import ModelRunner
+
+    if step == "eager":
+        return ModelRunner(model, num_slots, max_seq_len)
+    from dsde_core.models import triton_attention
+    from dsde_core.models.static_step import StaticRunner
+
+    cuda = model.device.type == "cuda"
+    runner = StaticRunner(model, num_slots, max_seq_len, max_query,
+                          attention="triton" if cuda and triton_attention.available() else "torch",
+                          graphs=cuda, fuse=cuda)
+    runner.capture()
+    return runner
 
 
 def load_model(
