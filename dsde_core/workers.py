@@ -15,7 +15,9 @@ call, and the prefix match picks up where the last chunk ended.
 
 Sampling, verification and the KLD signal run batched on the device the logits are on: a draft level's
 distributions and draws (sampling.draft_dists), the step's rejection sampler (dsde_core/verify.py) and the KLD at
-every drafted position, each read back in one copy (a draft level's tokens and distributions; a step's verdicts).
+every drafted position, read back in one copy each: the draft's tokens and distributions of all its levels where
+k is fixed at plan time (each level is fed the last one's draws on the device), of each level where a row's stop or
+penalties read what it drafted; a step's verdicts.
 The uniforms they draw by come from each request's own generator on the host, so a seed draws the same tokens on any
 device and in any batch. The per-request logits processors (stop tokens held, logit bias, penalties) go first, for
 the whole batch at once over each request's tables on the device (dsde_core/processors.py).
@@ -67,6 +69,12 @@ class Proposal:
     tokens: list[int]  # [k'] proposed, k' <= k
     dists: list[DraftDist]  # [k'] the sparse distribution each token was drawn from
     conf: list[float] = field(default_factory=list)  # [k'] q_signal of each proposed token (its confidence)
+
+    def add(self, token: int, conf: float, dist: DraftDist) -> None:
+        """One more drafted token, with its confidence and the distribution it was drawn from."""
+        self.tokens.append(token)
+        self.conf.append(conf)
+        self.dists.append(dist)
 
 
 @dataclass
@@ -171,7 +179,9 @@ class DraftWorker(_Worker):
     @torch.inference_mode()
     def propose(self, tasks: list[DraftTask], stop: DraftStop | None = None) -> list[Proposal]:
         """Batched draft levels; row i stops after k_i tokens, at its AdaEDL confidence stop, or where `stop` (the
-        cost-aware rule, for rows with p_next) ends it. Each level is one forward of the rows still drafting."""
+        cost-aware rule, for rows with p_next) ends it. Each level is one forward of the rows still drafting. Where
+        no row's stop or processor reads what it drafts, every row drafts its k and the levels chain on the device
+        (_draft_fixed): one read back for the whole call, not one a level."""
         feeds = {t.slot: self._sync(t.slot, t.new_tokens) for t in tasks}
         out = {t.slot: Proposal(t.slot, [], []) for t in tasks}
         reach = {t.slot: t.worth for t in tasks}  # w * pi, pi: the chance that every token drafted so far is accepted
@@ -179,21 +189,17 @@ class DraftWorker(_Worker):
         catch_up = [t for t in tasks if t.k == 0 and len(feeds[t.slot]) > 1]
         live = [t for t in tasks if t.k > 0]
         batch = [(t.slot, feeds[t.slot]) for t in live] + [(t.slot, feeds[t.slot][:-1][: t.limit]) for t in catch_up]
+        if not any(self._reads_drafts(t, stop) for t in live):
+            self._draft_fixed(live, batch, out)
+            return [out[t.slot] for t in tasks]
         drafted = level = 0
         while batch:
-            slots = [slot for slot, _ in batch]
-            logits = self.runner.forward(slots, [toks for _, toks in batch], [1] * len(batch))  # [B, V] on the device
-            if self.logit_noise > 0:
-                noise = torch.randn(logits.shape, generator=self._noise_gen) * self.logit_noise
-                logits = logits + noise.to(logits.device, logits.dtype)
-            for slot, toks in batch:
-                self.slots[slot].cached.extend(toks)
+            logits = self._forward(batch)  # [B, V] on the device
             next_batch = []
-            for t, (x, conf, dist) in zip(live, self._sample(live, logits[: len(live)], out), strict=True):
+            _, host = self._level(live, logits[: len(live)], [out[t.slot].tokens for t in live], level)
+            for t, (x, conf, dist) in zip(live, self._unpack(host.cpu()), strict=True):  # one read a level
                 prop = out[t.slot]
-                prop.tokens.append(x)
-                prop.dists.append(dist)
-                prop.conf.append(conf)
+                prop.add(x, conf, dist)
                 if stop is not None and t.p_next is not None:
                     reach[t.slot] *= stop.accept_prob(conf, t.accept_model)
                 stop_here = should_stop(entropy_confidence(dist.entropy), t.min_confidence)  # AdaEDL's early stop
@@ -205,23 +211,73 @@ class DraftWorker(_Worker):
             batch = [(t.slot, [out[t.slot].tokens[-1]]) for t in live]
         return [out[t.slot] for t in tasks]
 
-    def _sample(self, live: list[DraftTask], logits: torch.Tensor,
-                out: dict[int, Proposal]) -> list[tuple[int, float, DraftDist]]:
-        """One level's draft tokens for the drafting rows, whose logits are `logits` [B, V]: the rows processed for
+    def _reads_drafts(self, t: DraftTask, stop: DraftStop | None) -> bool:
+        """Whether row t's next level depends on what it has drafted: a stop by its confidence (AdaEDL's, or the
+        cost-aware rule's) or penalties, which count the drafts before a position."""
+        return t.min_confidence is not None or (stop is not None and t.p_next is not None) or \
+            self.slots[t.slot].params.penalized
+
+    def _draft_fixed(self, live: list[DraftTask], batch: list[tuple[int, list[int]]],
+                     out: dict[int, Proposal]) -> None:
+        """Every row of `live` drafts its k tokens: level l + 1 is fed level l's draws on the device (Runner's ids),
+        and every level's tokens and distributions come back in one copy after the last (the catch-up rows of
+        `batch`, after live's, are fed at level 0 only)."""
+        rows, ids, level = live, None, 0
+        drafting, packed = [], []  # per level: its rows, and their [B_l, 3 + 3K] (_level)
+        while batch:
+            logits = self._forward(batch, ids)  # [B, V] on the device
+            if not rows:
+                break
+            tokens, host = self._level(rows, logits[: len(rows)], None, level)
+            drafting.append(rows)
+            packed.append(host)
+            level += 1
+            keep = [i for i, t in enumerate(rows) if t.k > level]
+            rows = [rows[i] for i in keep]
+            ids = tokens if len(keep) == len(tokens) else tokens[torch.tensor(keep, dtype=torch.long).to(tokens.device)]
+            batch = [(t.slot, []) for t in rows]  # tokens from ids
+        if not packed:
+            return
+        order = [t for rows_l in drafting for t in rows_l]
+        for t, drawn in zip(order, self._unpack(torch.cat(packed).cpu()), strict=True):  # the one read back
+            out[t.slot].add(*drawn)
+        for t in live:  # what levels 1.. fed: each row's drafts but its last
+            self.slots[t.slot].cached.extend(out[t.slot].tokens[:-1])
+
+    def _forward(self, batch: list[tuple[int, list[int]]], ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One draft forward of (slot, tokens fed) rows, one logit row each (ids: the tokens on the device, one a row,
+        where the lists are empty) -> [B, V] on the device, noised where the worker adds logit noise; the fed host
+        tokens go into each slot's cache record."""
+        slots = [slot for slot, _ in batch]
+        toks = [[0] for _ in batch] if ids is not None else [t for _, t in batch]
+        logits = self.runner.forward(slots, toks, [1] * len(batch), ids=ids)  # [B, V]
+        if self.logit_noise > 0:
+            noise = torch.randn(logits.shape, generator=self._noise_gen) * self.logit_noise
+            logits = logits + noise.to(logits.device, logits.dtype)
+        if ids is None:
+            for slot, t in batch:
+                self.slots[slot].cached.extend(t)
+        return logits
+
+    def _level(self, live: list[DraftTask], logits: torch.Tensor, drafted: list[list[int]] | None,
+               level: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One level's draft tokens for the drafting rows, whose logits are `logits` [B, V] and who have drafted
+        `level` tokens each (`drafted`: those tokens, where a row's penalties count them): the rows processed for
         their requests at once (Processors.process), the level's distributions and draws batched on the device
-        (sampling.draft_dists, sample_level, the uniforms from each request's generator), read back in one copy ->
-        (token, confidence, distribution) a row."""
-        if not live:
-            return []
+        (sampling.draft_dists, sample_level, the uniforms from each request's generator) -> (tokens [B], the rows
+        packed for one copy [B, 3 + 3K]: token, confidence, entropy, ids, q_sample, q_signal), on the device."""
         slots = [self.slots[t.slot] for t in live]
-        drafted = [out[t.slot].tokens for t in live]
-        z = self.processors.process(logits, [Span(t.slot, 1, s.committed, d, len(d))
-                                             for t, s, d in zip(live, slots, drafted, strict=True)])  # [B, V]
-        level = draft_dists(z, [s.params for s in slots], self.top_k, [t.min_confidence is not None for t in live])
-        tokens, conf = sample_level(level, draft_uniforms([None if s.params.greedy else s.gen for s in slots]))
-        k = level.ids.shape[1]
-        host = torch.cat([tokens[:, None].double(), conf[:, None].double(), level.entropy[:, None].double(),
-                          level.ids.double(), level.q_sample.double(), level.q_signal.double()], 1).cpu()  # [B, 3+3K]
+        z = self.processors.process(logits, [Span(t.slot, 1, s.committed, drafted[i] if drafted else (), level)
+                                             for i, (t, s) in enumerate(zip(live, slots, strict=True))])  # [B, V]
+        dists = draft_dists(z, [s.params for s in slots], self.top_k, [t.min_confidence is not None for t in live])
+        tokens, conf = sample_level(dists, draft_uniforms([None if s.params.greedy else s.gen for s in slots]))
+        return tokens, torch.cat([tokens[:, None].double(), conf[:, None].double(), dists.entropy[:, None].double(),
+                                  dists.ids.double(), dists.q_sample.double(), dists.q_signal.double()], 1)
+
+    @staticmethod
+    def _unpack(host: torch.Tensor) -> list[tuple[int, float, DraftDist]]:
+        """Rows packed by _level, read back [B, 3 + 3K] -> (token, confidence, distribution) a row."""
+        k = (host.shape[1] - 3) // 3
         return [(int(x), c, DraftDist(row[3 : 3 + k].long(), row[3 + k : 3 + 2 * k].float(),
                                       row[3 + 2 * k :].float(), h))
                 for (x, c, h), row in zip(host[:, :3].tolist(), host, strict=True)]

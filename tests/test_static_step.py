@@ -112,6 +112,30 @@ def test_the_static_forward_reads_nothing_back(make_tiny_model) -> None:
     assert static.total == 0, static.syncs
 
 
+def test_tokens_from_the_device_feed_what_the_lists_do(make_tiny_model) -> None:
+    """forward(ids=...): a draft level's tokens given on the device, one a row, in place of the lists' values, give the
+    lists' logits on both runners (3 rows padded to a bucket of 4, 2 rows out of slot order, 1 row);
+    the static forward still reads nothing back, and ids of the wrong shape are refused."""
+    g = torch.Generator().manual_seed(5)
+    hf = make_tiny_model("qwen2")
+    p, q = Pair(hf), Pair(hf)  # p fed lists, q the same tokens from the device
+    for pair in (p, q):
+        pair.forward({0: toks(torch.Generator().manual_seed(1), 9), 1: [3, 4], 2: [5]})
+    for rows in ([0, 1, 2], [2, 0], [1]):
+        feed = [toks(g, 1) for _ in rows]
+        ids = torch.tensor([t[0] for t in feed])
+        for runner in ("eager", "static"):
+            ref = getattr(p, runner).forward(rows, feed, [1] * len(rows))
+            with SyncCounter() as c:
+                out = getattr(q, runner).forward(rows, [[0]] * len(rows), [1] * len(rows), ids=ids)
+            assert torch.equal(out, ref), (rows, runner)
+            assert runner == "eager" or c.total == 0, c.syncs
+    with pytest.raises(ConfigError, match="one token a row"):
+        q.static.forward([0, 1], [[0], [0]], [1, 1], ids=torch.tensor([1]))
+    with pytest.raises(ConfigError, match="one token a row"):
+        q.eager.forward([0], [[0, 0]], [1], ids=torch.tensor([1]))
+
+
 def test_bad_calls_are_refused(make_tiny_model) -> None:
     hf = make_tiny_model("llama")
     model = LlamaModel.from_hf(hf.config, dict(hf.state_dict()), dtype=torch.float32, prepack=False)

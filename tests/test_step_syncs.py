@@ -1,5 +1,6 @@
 """Host reads of a whole engine step on the static runners (dsde_core/syncs.py counts them on any device): one read of
-each draft level's tokens and distributions, one of the step's verdicts, nothing else; a change that brings a per-row
+the draft's tokens and distributions for all its levels where k is fixed at plan time (one a level where a row's stop
+or penalties read its drafts), one of the step's verdicts, nothing else; a change that brings a per-row or per-level
 read or a data-dependent op back into the step fails here."""
 
 from __future__ import annotations
@@ -7,22 +8,24 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import torch
 
 from dsde_core.config import EngineConfig, SamplingParams
 from dsde_core.engine import Engine
+from dsde_core.models.runner import ModelRunner
 from dsde_core.models.static_step import StaticRunner
 from dsde_core.policies import make_policy
 from dsde_core.syncs import SyncCounter
-from dsde_core.workers import DraftWorker, TargetWorker
+from dsde_core.workers import DraftTask, DraftWorker, TargetWorker
 from tests.tiny import VOCAB, IdTokenizer, random_prompts, tiny_pair
 
-PROCESSED = dict(presence_penalty=0.5, repetition_penalty=1.2, logit_bias={3: 2.0}, min_tokens=50,
-                 stop_token_ids=(7,))
+BIASED = dict(logit_bias={3: 2.0}, min_tokens=50, stop_token_ids=(7,))  # processors that read no draft
+PENALIZED = dict(presence_penalty=0.5, repetition_penalty=1.2, **BIASED)  # penalties count the drafts
 
 
-def steady_step(policy: str, processed: bool = False) -> tuple[Counter[str], Engine]:
+def steady_step(policy: str, processed: dict | None = None) -> tuple[Counter[str], Engine]:
     """The host reads of one step of greedy and sampled rows past their prefills (no prefill or catch-up in it); with
-    `processed`, every row has penalties, a logit bias and stop tokens held under min_tokens too."""
+    `processed`, every row has those processors too."""
     target, draft = tiny_pair()
     config = EngineConfig(max_batch_size=4, max_seq_len=128, dtype="float32", max_sl=4)
     engine = Engine(TargetWorker(StaticRunner(target, 4, 128, 5)),
@@ -30,7 +33,7 @@ def steady_step(policy: str, processed: bool = False) -> tuple[Counter[str], Eng
                     IdTokenizer(), config, vocab_size=VOCAB)
     for i, p in enumerate(random_prompts(3, seed=2, min_len=8, max_len=12)):
         engine.add_request(p, SamplingParams(max_tokens=60, temperature=0.0 if i % 2 == 0 else 1.0, seed=i,
-                                             top_p=0.9 if i == 1 else 1.0, **(PROCESSED if processed else {})))
+                                             top_p=0.9 if i == 1 else 1.0, **(processed or {})))
     for _ in range(3):
         engine.step()
     calls = {id(r): dict(r.runner.calls) for r in (engine.target, engine.draft)}
@@ -41,10 +44,17 @@ def steady_step(policy: str, processed: bool = False) -> tuple[Counter[str], Eng
     return c.syncs, engine
 
 
-@pytest.mark.parametrize("processed", [False, True], ids=["plain", "processed"])
+@pytest.mark.parametrize("processed", [None, BIASED], ids=["plain", "biased"])
+@pytest.mark.parametrize("policy", ["static:1", "static:3", "dsde"])
+def test_a_step_of_fixed_k_reads_the_draft_back_once_and_the_verdicts_once(policy: str, processed: dict) -> None:
+    syncs, engine = steady_step(policy, processed)
+    assert all(k > 0 for k in engine.step_log[-1].ks)  # every row drafted
+    assert syncs == Counter({"cpu": 1, "tolist": 2}), syncs  # the draft's copy and its scalars; the verdicts
+
+
 @pytest.mark.parametrize("k", [1, 3])
-def test_a_speculative_step_reads_back_once_a_draft_level_and_once_for_its_verdicts(k: int, processed: bool) -> None:
-    syncs, engine = steady_step(f"static:{k}", processed)
+def test_penalties_cost_one_read_a_draft_level(k: int) -> None:
+    syncs, engine = steady_step(f"static:{k}", PENALIZED)
     assert engine.step_log[-1].ks == [k] * 3  # every row drafted k tokens: k levels
     assert syncs == Counter({"cpu": k, "tolist": k + 1}), syncs  # a level: its copy and that copy's scalars
 
@@ -52,3 +62,31 @@ def test_a_speculative_step_reads_back_once_a_draft_level_and_once_for_its_verdi
 def test_a_target_only_step_reads_back_once() -> None:
     syncs, _ = steady_step("off")
     assert syncs == Counter({"tolist": 1}), syncs
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_levels_chained_on_the_device_draft_what_a_level_at_a_time_drafts(static: bool) -> None:
+    """The draft worker's two loops: levels fed the last one's draws on the device and read back once (every row's k
+    fixed), and one read a level (a row's AdaEDL stop reads its confidences; min_confidence 0 never stops a row of this
+    vocabulary) draft the same tokens, confidences and distributions, for greedy and seeded rows of ragged k beside a
+    row that only catches up, over steps with rollback."""
+    _, draft = tiny_pair()
+    workers = [DraftWorker(StaticRunner(draft, 4, 64, 5) if static else ModelRunner(draft, 4, 64)) for _ in range(2)]
+    prompts = random_prompts(4, seed=5, min_len=6, max_len=10)
+    for w in workers:
+        for slot, p in enumerate(prompts):
+            w.open(slot, SamplingParams(temperature=0.0 if slot % 2 else 0.9, seed=slot), len(p))
+    committed = {slot: list(p) for slot, p in enumerate(prompts)}
+    for step, ks in enumerate(([3, 1, 4, 0], [2, 4, 0, 1], [4, 4, 4, 4])):
+        got = []
+        for w, conf_stop in zip(workers, (None, 0.0), strict=True):
+            tasks = [DraftTask(s, committed[s][len(w.slots[s].committed):], k, min_confidence=conf_stop if k else None)
+                     for s, k in enumerate(ks)]
+            got.append(w.propose(tasks))
+        chained, stepped = got
+        for a, b in zip(chained, stepped, strict=True):
+            assert a.tokens == b.tokens and a.conf == b.conf, (step, a.slot)
+            assert all(torch.equal(x.ids, y.ids) and torch.equal(x.q_sample, y.q_sample)
+                       and torch.equal(x.q_signal, y.q_signal) for x, y in zip(a.dists, b.dists, strict=True))
+            committed[a.slot].append(a.tokens[0] if a.tokens else 7)  # a draft accepted or a correction: roll back
+        assert [w.runner.length(s) for s in range(4)] == [workers[1].runner.length(s) for s in range(4)]

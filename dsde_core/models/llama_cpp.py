@@ -308,15 +308,20 @@ class LlamaCppRunner:
         self.cache.lengths[slot] = 0
 
     def forward(self, slots: list[int], tokens: list[list[int]], num_logits: list[int],
-                hidden: bool = False) -> torch.Tensor:
+                hidden: bool = False, ids: torch.Tensor | None = None) -> torch.Tensor:
         """One batched forward over ragged per-sequence query lengths.
 
         tokens[i] (len >= 1) are appended to slot slots[i] at positions length(slot).. ; lengths advance.
         Returns float32 logits packed [sum(num_logits), vocab]: for each sequence, the logits of its LAST
         num_logits[i] query positions (1 <= num_logits[i] <= len(tokens[i])), in order of `slots`. `hidden`: the
         same logits (llama.cpp gives no hidden states; `head` is the identity). With repacked weights, a fresh
-        prompt of PLAIN_PREFILL tokens or more is prefilled apart (_prefill_plain).
+        prompt of PLAIN_PREFILL tokens or more is prefilled apart (_prefill_plain). ids [B]: the rows' tokens, one a
+        row (Runner's doc; on the host here, so read as they are).
         """
+        if ids is not None:
+            if ids.shape != (len(slots),):
+                raise ConfigError(f"ids give one token a row: shape {tuple(ids.shape)} for {len(slots)} rows")
+            tokens = [[x] for x in ids.tolist()]
         self._pack(slots, tokens, num_logits)  # every input checked before any row runs
         apart = [i for i, (s, t) in enumerate(zip(slots, tokens, strict=True))
                  if self._plain is not None and len(t) >= PLAIN_PREFILL and self.cache.lengths[s] == 0]

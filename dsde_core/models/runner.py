@@ -22,7 +22,9 @@ class Runner(Protocol):
     the float32 logits of each sequence's last num_logits[i] positions come back packed, [sum(num_logits), vocab].
     With hidden=True it returns what `head` turns into those logits (final hidden states on torch, so that many rows'
     logits can be made a few at a time; the logits themselves on llama.cpp). set_length(slot, n) rolls a slot back to
-    its first n positions (a rejected draft); reset(slot) empties it."""
+    its first n positions (a rejected draft); reset(slot) empties it. ids [B] on the runner's device, where given: each
+    row's one token (tokens[i] is then one placeholder), so a draft level is fed the last level's draws without
+    reading them back."""
 
     vocab_size: int
     device: torch.device
@@ -31,7 +33,7 @@ class Runner(Protocol):
     def set_length(self, slot: int, n: int) -> None: ...
     def reset(self, slot: int) -> None: ...
     def forward(self, slots: list[int], tokens: list[list[int]], num_logits: list[int],
-                hidden: bool = False) -> torch.Tensor: ...
+                hidden: bool = False, ids: torch.Tensor | None = None) -> torch.Tensor: ...
     def head(self, h: torch.Tensor) -> torch.Tensor: ...
 
 
@@ -68,15 +70,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, slots: list[int], tokens: list[list[int]], num_logits: list[int],
-                hidden: bool = False) -> torch.Tensor:
+                hidden: bool = False, ids: torch.Tensor | None = None) -> torch.Tensor:
         """One batched forward over ragged per-sequence query lengths.
 
         tokens[i] (len >= 1) are appended to slot slots[i] at positions cache.length(slot).. ; lengths advance.
         Returns float32 logits packed [sum(num_logits), vocab]: for each sequence, the logits of its LAST
         num_logits[i] query positions (1 <= num_logits[i] <= len(tokens[i])), in order of `slots`. With `hidden`:
         the final-norm hidden states there instead, [sum(num_logits), D], for `head` to make logits of in parts.
+        ids [B] on the device: the rows' tokens, one a row, in place of tokens' values (Runner's doc).
         """
-        b = self._prepare(slots, tokens, num_logits)
+        b = self._prepare(slots, tokens, num_logits, ids)
         out = self.model(b, self.cache.k, self.cache.v, hidden=hidden)
         for s, t in zip(slots, tokens, strict=True):
             self.cache.lengths[s] += len(t)
@@ -86,10 +89,14 @@ class ModelRunner:
         """Hidden states [N, D] from forward(hidden=True) -> float32 logits [N, vocab]."""
         return self.model.head(h)
 
-    def check(self, slots: list[int], tokens: list[list[int]], num_logits: list[int]) -> tuple[list[int], list[int]]:
+    def check(self, slots: list[int], tokens: list[list[int]], num_logits: list[int],
+              ids: torch.Tensor | None = None) -> tuple[list[int], list[int]]:
         """ConfigError unless `forward` can take these arguments (its doc); else each row's (cache length, query
-        length). Checked on the host: no read of a device value."""
+        length). Checked on the host: no read of a device value (ids' values are the draft's own draws)."""
         B = len(slots)
+        if ids is not None and (ids.shape != (B,) or any(len(t) != 1 for t in tokens)):
+            raise ConfigError(f"ids give one token a row: shape {tuple(ids.shape)} for {B} rows, query lengths "
+                              f"{[len(t) for t in tokens]}")
         if B == 0 or len(tokens) != B or len(num_logits) != B:
             raise ConfigError(
                 f"forward needs one token list and one num_logits per slot and at least one slot: "
@@ -112,11 +119,13 @@ class ModelRunner:
             raise ConfigError(f"token ids must be in [0, {self.vocab_size}), got min {low} max {high}")
         return starts, qlens
 
-    def _prepare(self, slots: list[int], tokens: list[list[int]], num_logits: list[int]) -> Batch:
-        starts, qlens = self.check(slots, tokens, num_logits)
+    def _prepare(self, slots: list[int], tokens: list[list[int]], num_logits: list[int],
+                 ids: torch.Tensor | None = None) -> Batch:
+        starts, qlens = self.check(slots, tokens, num_logits, ids)
         B, dev = len(slots), self.device
         flat = tokens[0] if B == 1 else [x for t in tokens for x in t]
-        ids = torch.tensor(flat, dtype=torch.long).to(dev, non_blocking=True)
+        if ids is None:
+            ids = torch.tensor(flat, dtype=torch.long).to(dev, non_blocking=True)
         offsets = [0] * B  # packed offsets of each sequence's tokens
         for i in range(1, B):
             offsets[i] = offsets[i - 1] + qlens[i - 1]

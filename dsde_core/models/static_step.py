@@ -118,18 +118,21 @@ class StaticRunner:
 
     @torch.inference_mode()
     def forward(self, slots: list[int], tokens: list[list[int]], num_logits: list[int],
-                hidden: bool = False) -> torch.Tensor:
+                hidden: bool = False, ids: torch.Tensor | None = None) -> torch.Tensor:
         """ModelRunner.forward's contract: the static step where the call fits a bucket, the eager forward else."""
         for s in slots:
             self._slot(s)
         bucket = self.buckets.fit(len(slots), max((len(t) for t in tokens), default=0))
         if bucket is None:
             self.calls["eager"] += 1
-            return self.eager.forward(slots, tokens, num_logits, hidden)
-        starts, qlens = self.eager.check(slots, tokens, num_logits)
+            return self.eager.forward(slots, tokens, num_logits, hidden, ids)
+        starts, qlens = self.eager.check(slots, tokens, num_logits, ids)
         self.calls["static"] += 1
         n = self._fill(bucket, slots, tokens, num_logits, starts, qlens)
         self.buf.copy_(self.packet, non_blocking=True)  # [size]: the one copy of the step's inputs
+        if ids is not None:  # the rows' tokens from the device: column 0 of each row of the layout [Bb, Qb]
+            bb, qb = bucket
+            self._view("tokens", bb * qb).view(bb, qb)[: len(slots), 0].copy_(ids)
         if self._copied is not None:
             self._copied.record()
         h = self._replay(bucket)  # [Bb * Qb, D]
