@@ -222,20 +222,22 @@ class DraftWorker(_Worker):
         """Every row of `live` drafts its k tokens: level l + 1 is fed level l's draws on the device (Runner's ids),
         and every level's tokens and distributions come back in one copy after the last (the catch-up rows of
         `batch`, after live's, are fed at level 0 only)."""
-        rows, ids, level = live, None, 0
+        if not batch:
+            return
+        logits = self._forward(batch)  # [B, V] on the device: level 0, live's rows and the catch-up rows
+        rows, level = live, 0
         drafting, packed = [], []  # per level: its rows, and their [B_l, 3 + 3K] (_level)
-        while batch:
-            logits = self._forward(batch, ids)  # [B, V] on the device
-            if not rows:
-                break
+        while rows:
             tokens, host = self._level(rows, logits[: len(rows)], None, level)
             drafting.append(rows)
             packed.append(host)
             level += 1
             keep = [i for i, t in enumerate(rows) if t.k > level]
+            if not keep:
+                break
+            ids = tokens if len(keep) == len(rows) else tokens[torch.tensor(keep, dtype=torch.long).to(tokens.device)]
             rows = [rows[i] for i in keep]
-            ids = tokens if len(keep) == len(tokens) else tokens[torch.tensor(keep, dtype=torch.long).to(tokens.device)]
-            batch = [(t.slot, []) for t in rows]  # tokens from ids
+            logits = self._forward([(t.slot, []) for t in rows], ids)  # the tokens from ids
         if not packed:
             return
         order = [t for rows_l in drafting for t in rows_l]
