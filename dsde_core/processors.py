@@ -10,18 +10,22 @@ A verified position is processed for exactly the output target-only decoding has
 accepted), so a step stays lossless.
 
 Only the logits of tokens a request has a reason to change move: its columns, the distinct tokens of its prompt and
-output, the drafts proposed for it, its biased and stop tokens. Each request that processes owns a row of one table
-on the device, [R, FIELDS, M], column j of row r describing token ids[j]:
+output and its biased and stop tokens, and the drafts before a position. Each request that processes owns a row of
+one table on the device, [R, FIELDS, M], column j of row r describing token ids[j]:
     ids      the token (ids < 2^24 are exact in fp32, so one float table holds all fields and a step gathers once)
     counts   c: how many times the output holds it
     bias     b
     prompt   1 where the prompt holds it
     stop     1 where it is a stop token (the engine adds the end-of-sequence ids)
 A request's row is updated with only the tokens it commits (new columns, prompt marks, count increments: one scatter
-each for the whole step). A step then gathers its positions' rows [P, FIELDS, M'] (M': the step's widest row), adds
-the drafts before each position to its counts, runs the formulas above on [P, M'] and scatters the results into a copy
-of the logits. Columns beyond a row's own repeat its first column, so they compute and write the same value again.
-Nothing is read back and no op's shape depends on the data; the work is the columns', not the vocabulary's.
+each for the whole step). A step then gathers its positions' rows [P, FIELDS, M'] (M': the step's widest row), and
+where a penalised request drafts, the drafts before each position d [P, L] (-1 pads) join them: each column counts
+the drafts equal to its token, and each draft brings a column of its own (its token's fields from the row's matching
+column, if any, its count the table's plus the drafts'), so the drafts may be ids still on the device, drawn by the
+level before. The formulas above run on [P, M' + L] and the results are scattered into a copy of the logits. A
+column that repeats a token (columns beyond a row's own repeat its first; a draft of a token the row has a column
+for, or drafted twice) computes the same totals, so it writes the same value again. Nothing is read back and no op's
+shape depends on the data; the work is the columns', not the vocabulary's.
 """
 
 from __future__ import annotations
@@ -64,14 +68,12 @@ class _Request:
             self.pending.append((IDS, self.cols[token], float(token)))
         return self.cols[token]
 
-    def take(self, committed: Sequence[int], drafts: Sequence[int]) -> None:
+    def take(self, committed: Sequence[int]) -> None:
         """Count the committed tokens not counted yet; with penalties, their columns, prompt marks and counts
-        pending, and columns for the drafts."""
+        pending."""
         if self.params.penalized:
             for i in range(self.taken, len(committed)):
                 self.pending.append((PROMPT if i < self.prompt_len else COUNTS, self.col(committed[i]), 1.0))
-            for x in drafts:
-                self.col(x)
         self.taken = len(committed)
 
 
@@ -117,25 +119,26 @@ class Processors:
             self._free.append(req.row)
 
     @torch.inference_mode()
-    def process(self, logits: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor:
-        """logits [N, V] packed by `spans` (N = sum of n) -> the logits each position samples from: the processed
-        positions through their requests' tables (the module's formulas), the rest as they are; `logits` itself when no
-        row processes (else a new tensor, `logits` kept)."""
+    def process(self, logits: torch.Tensor, spans: Sequence[Span], drafted: torch.Tensor | None = None) -> torch.Tensor:
+        """logits [N, V] packed by `spans` -> the logits each position samples from: the processed positions through
+        their requests' tables (the module's formulas), the rest as they are; `logits` itself when no row processes
+        (else a new tensor, `logits` kept). drafted [N, L] (on the logits' device, -1 pads): the drafts each position
+        follows, in place of its span's (a draft level's, drawn on the device by the levels before it)."""
         dev = logits.device
-        pos, reqs, held, pairs = [], [], [], []  # [P] position, [P] request, [P] held, (p, column) of the drafts
+        pos, reqs, held, before = [], [], [], []  # [P] position, request, held, and drafts before it (from the spans)
         updates: list[tuple[int, int, int, float]] = []  # (row, field, column, value) of the step's requests
         start = 0
         for s in spans:
             req = self.requests.get(s.slot) if s.slot is not None else None
             if req is not None:
-                req.take(s.committed, s.drafts)
+                req.take(s.committed)
                 updates += [(req.row, f, c, v) for f, c, v in req.pending]
                 req.pending.clear()
                 for j in range(s.n):
-                    pairs += [(len(pos), req.cols[x]) for x in s.drafts[: s.first + j]] if req.params.penalized else []
                     pos.append(start + j)
                     reqs.append(req)
                     held.append(req.produced + s.first + j < req.params.min_tokens)
+                    before.append(s.drafts[: s.first + j])
             start += s.n
         if not pos:
             return logits
@@ -149,19 +152,18 @@ class Processors:
                 r, f, c = torch.tensor([u[:3] for u in part], device=dev).T  # [u] each
                 table.index_put_((r, f, c), torch.tensor([u[3] for u in part], device=dev), accumulate=add)
         t = table.index_select(0, torch.tensor([q.row for q in reqs], device=dev))[:, :, :width]  # [P, FIELDS, M']
-        if pairs:  # the drafts before each position join its counts
-            p, c = torch.tensor(pairs, device=dev).T
-            t.index_put_((p, torch.full_like(p, COUNTS), c), torch.ones(len(pairs), device=dev), accumulate=True)
         cols = torch.arange(width, device=dev)
         ncols = torch.tensor([len(q.cols) for q in reqs], device=dev)  # [P]
-        own = torch.where(cols < ncols[:, None], cols, 0)  # [P, M']: columns beyond a row's own repeat its first
-        t = t.gather(2, own[:, None, :].expand(-1, len(FIELDS), -1))
-        ids, counts = t[:, IDS].long(), t[:, COUNTS]  # [P, M'] each
-        at = torch.tensor(pos, device=dev)[:, None].expand_as(ids)  # [P, M']
-        z = logits[at, ids]  # [P, M']
+        own = cols < ncols[:, None]  # [P, M']
+        t = t.gather(2, torch.where(own, cols, 0)[:, None, :].expand(-1, len(FIELDS), -1))  # beyond: the first's
+        params = [q.params for q in reqs]
+        if any(q.penalized for q in params):  # the drafts before each position join its counts
+            t = self._with_drafts(t, own, self._drafts(before, pos, drafted, dev))
+        ids, counts = t[:, IDS].long(), t[:, COUNTS]  # [P, C] each, C = M' (+ L where drafts joined)
+        at = torch.tensor(pos, device=dev)[:, None].expand_as(ids)  # [P, C]
+        z = logits[at, ids]  # [P, C]
         z = torch.where((t[:, STOP] > 0) & torch.tensor(held, device=dev)[:, None], HELD, z)
         z = z + t[:, BIAS]
-        params = [q.params for q in reqs]
         if any(q.penalized for q in params):
             r, freq, pres = torch.tensor([[q.repetition_penalty, q.frequency_penalty, q.presence_penalty]
                                           for q in params], device=dev).T[:, :, None]  # [P, 1] each
@@ -170,7 +172,38 @@ class Processors:
                 z = torch.where(seen, torch.where(z > 0, z / r, z * r), z)
             z = z - freq * counts - pres * (counts > 0).float()
         out = logits.clone()
-        out[at, ids] = z  # a repeated column writes the value its first copy does
+        out[at, ids] = z  # a repeated token writes the value its first copy does
+        return out
+
+    @staticmethod
+    def _drafts(before: list[Sequence[int]], pos: list[int], drafted: torch.Tensor | None,
+                dev: torch.device) -> torch.Tensor | None:
+        """The drafts before each processed position, [P, L] on `dev` (-1 pads), from `drafted` [N, L] where given,
+        else from the spans' lists; None where no position has any."""
+        if drafted is not None:
+            d = drafted if len(pos) == len(drafted) else drafted.index_select(0, torch.tensor(pos, device=dev))
+            return d if d.shape[1] else None
+        width = max(map(len, before))
+        if not width:
+            return None
+        return torch.tensor([[*b, *[-1] * (width - len(b))] for b in before], device=dev)
+
+    @staticmethod
+    def _with_drafts(t: torch.Tensor, own: torch.Tensor, d: torch.Tensor | None) -> torch.Tensor:
+        """Positions' table columns t [P, FIELDS, M'] (own [P, M']: a row's own, not a repeat) with the drafts before
+        each, d [P, L], counted in: each column's count grows by the drafts of its token, and each draft is a column
+        of its own, its token's fields from the row's column for it (none: zero) and its count the table's plus the
+        drafts' -> [P, FIELDS, M' + L] (a pad repeats the first column)."""
+        if d is None:
+            return t
+        ids = t[:, IDS].long()  # [P, M']
+        x = torch.where(d >= 0, d, ids[:, :1])  # [P, L] the drafts' tokens
+        match = (x[:, :, None] == ids[:, None, :]) & own[:, None, :]  # [P, L, M']: a row's columns are distinct tokens
+        col = match.to(torch.uint8).argmax(-1)  # [P, L] the matching column (0 where none: masked next)
+        fx = t.gather(2, col[:, None, :].expand(-1, len(FIELDS), -1)) * match.any(-1)[:, None, :]  # [P, FIELDS, L]
+        fx[:, IDS] = x.to(t.dtype)
+        out = torch.cat([t, fx], 2)  # [P, FIELDS, M' + L]
+        out[:, COUNTS] += (out[:, IDS, :, None].long() == d[:, None, :]).sum(-1)  # each column's token, drafted
         return out
 
     def _fit(self, dev: torch.device, width: int) -> torch.Tensor:

@@ -16,8 +16,8 @@ call, and the prefix match picks up where the last chunk ended.
 Sampling, verification and the KLD signal run batched on the device the logits are on: a draft level's
 distributions and draws (sampling.draft_dists), the step's rejection sampler (dsde_core/verify.py) and the KLD at
 every drafted position, read back in one copy each: the draft's tokens and distributions of all its levels where
-k is fixed at plan time (each level is fed the last one's draws on the device), of each level where a row's stop or
-penalties read what it drafted; a step's verdicts.
+k is fixed at plan time (each level is fed the last one's draws on the device, and penalties count them there), of
+each level where a row's stop reads its confidences; a step's verdicts.
 The uniforms they draw by come from each request's own generator on the host, so a seed draws the same tokens on any
 device and in any batch. The per-request logits processors (stop tokens held, logit bias, penalties) go first, for
 the whole batch at once over each request's tables on the device (dsde_core/processors.py).
@@ -196,7 +196,9 @@ class DraftWorker(_Worker):
         while batch:
             logits = self._forward(batch)  # [B, V] on the device
             next_batch = []
-            _, host = self._level(live, logits[: len(live)], [out[t.slot].tokens for t in live], level)
+            prior = torch.tensor([out[t.slot].tokens for t in live], device=logits.device) \
+                if level and self._penalized(live) else None  # [B, level] the drafts so far, for the penalties
+            _, host = self._level(live, logits[: len(live)], prior, level)
             for t, (x, conf, dist) in zip(live, self._unpack(host.cpu()), strict=True):  # one read a level
                 prop = out[t.slot]
                 prop.add(x, conf, dist)
@@ -212,10 +214,9 @@ class DraftWorker(_Worker):
         return [out[t.slot] for t in tasks]
 
     def _reads_drafts(self, t: DraftTask, stop: DraftStop | None) -> bool:
-        """Whether row t's next level depends on what it has drafted: a stop by its confidence (AdaEDL's, or the
-        cost-aware rule's) or penalties, which count the drafts before a position."""
-        return t.min_confidence is not None or (stop is not None and t.p_next is not None) or \
-            self.slots[t.slot].params.penalized
+        """Whether row t's next level depends on its drafts' values on the host: a stop by its confidence (AdaEDL's,
+        or the cost-aware rule's). Penalties count the drafts on the device (Processors.process's `drafted`)."""
+        return t.min_confidence is not None or (stop is not None and t.p_next is not None)
 
     def _draft_fixed(self, live: list[DraftTask], batch: list[tuple[int, list[int]]],
                      out: dict[int, Proposal]) -> None:
@@ -225,17 +226,22 @@ class DraftWorker(_Worker):
         if not batch:
             return
         logits = self._forward(batch)  # [B, V] on the device: level 0, live's rows and the catch-up rows
-        rows, level = live, 0
+        rows, level, drafted = live, 0, None  # drafted [B_l, l]: the rows' drafts so far, where penalties count them
+        counted = self._penalized(live)
         drafting, packed = [], []  # per level: its rows, and their [B_l, 3 + 3K] (_level)
         while rows:
-            tokens, host = self._level(rows, logits[: len(rows)], None, level)
+            tokens, host = self._level(rows, logits[: len(rows)], drafted, level)
             drafting.append(rows)
             packed.append(host)
             level += 1
             keep = [i for i, t in enumerate(rows) if t.k > level]
             if not keep:
                 break
-            ids = tokens if len(keep) == len(rows) else tokens[torch.tensor(keep, dtype=torch.long).to(tokens.device)]
+            pick = None if len(keep) == len(rows) else torch.tensor(keep, dtype=torch.long).to(tokens.device)
+            ids = tokens if pick is None else tokens[pick]
+            if counted:
+                drafted = tokens[:, None] if drafted is None else torch.cat([drafted, tokens[:, None]], 1)
+                drafted = drafted if pick is None else drafted[pick]
             rows = [rows[i] for i in keep]
             logits = self._forward([(t.slot, []) for t in rows], ids)  # the tokens from ids
         if not packed:
@@ -261,16 +267,21 @@ class DraftWorker(_Worker):
                 self.slots[slot].cached.extend(t)
         return logits
 
-    def _level(self, live: list[DraftTask], logits: torch.Tensor, drafted: list[list[int]] | None,
+    def _penalized(self, rows: list[DraftTask]) -> bool:
+        """Whether a row's penalties count its drafts (the processors are then given them)."""
+        return any(self.slots[t.slot].params.penalized for t in rows)
+
+    def _level(self, live: list[DraftTask], logits: torch.Tensor, drafted: torch.Tensor | None,
                level: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One level's draft tokens for the drafting rows, whose logits are `logits` [B, V] and who have drafted
-        `level` tokens each (`drafted`: those tokens, where a row's penalties count them): the rows processed for
-        their requests at once (Processors.process), the level's distributions and draws batched on the device
-        (sampling.draft_dists, sample_level, the uniforms from each request's generator) -> (tokens [B], the rows
-        packed for one copy [B, 3 + 3K]: token, confidence, entropy, ids, q_sample, q_signal), on the device."""
+        `level` tokens each (`drafted` [B, level]: those tokens, on the device, where a row's penalties count them):
+        the rows processed for their requests at once (Processors.process), the level's distributions and draws
+        batched on the device (sampling.draft_dists, sample_level, the uniforms from each request's generator) ->
+        (tokens [B], the rows packed for one copy [B, 3 + 3K]: token, confidence, entropy, ids, q_sample, q_signal),
+        on the device."""
         slots = [self.slots[t.slot] for t in live]
-        z = self.processors.process(logits, [Span(t.slot, 1, s.committed, drafted[i] if drafted else (), level)
-                                             for i, (t, s) in enumerate(zip(live, slots, strict=True))])  # [B, V]
+        spans = [Span(t.slot, 1, s.committed, (), level) for t, s in zip(live, slots, strict=True)]
+        z = self.processors.process(logits, spans, drafted)  # [B, V]
         dists = draft_dists(z, [s.params for s in slots], self.top_k, [t.min_confidence is not None for t in live])
         tokens, conf = sample_level(dists, draft_uniforms([None if s.params.greedy else s.gen for s in slots]))
         return tokens, torch.cat([tokens[:, None].double(), conf[:, None].double(), dists.entropy[:, None].double(),

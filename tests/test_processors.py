@@ -112,3 +112,31 @@ def test_processing_reads_nothing_back() -> None:
     with SyncCounter() as c:
         procs.process(torch.randn(8, V), spans)
     assert c.total == 0, c.syncs
+
+
+def test_drafts_on_the_device_count_as_the_spans_drafts_do() -> None:
+    """A draft level's drafts given as a device tensor [N, L] (-1 pads) process as the same drafts in the spans do:
+    drafts of tokens the rows have columns for, of new tokens, repeated, and none."""
+    for seed in range(8):
+        rng = random.Random(seed)
+        host, device = Processors(), Processors()
+        rows = {slot: _Row(rng, slot, host) for slot in range(rng.randint(1, 5))}
+        for slot, row in rows.items():
+            device.open(slot, row.params, len(row.prompt))
+        for step in range(4):
+            spans, drafted = [], []
+            for slot, row in rows.items():
+                row.output += [rng.randrange(8) for _ in range(rng.randint(0, 3))]
+                d = [rng.randrange(12) for _ in range(rng.randint(0, 4))]  # tokens the output holds, and others
+                spans.append(Span(slot, 1, row.prompt + row.output, d, len(d)))
+                drafted.append(d)
+            width = max(map(len, drafted))
+            padded = torch.tensor([[*d, *[-1] * (width - len(d))] for d in drafted], dtype=torch.long)  # [N, L]
+            logits = torch.randn(len(rows), V, generator=torch.Generator().manual_seed(seed * 10 + step))
+            with torch.inference_mode():
+                want = host.process(logits, spans)
+                got = device.process(logits, [Span(s.slot, 1, s.committed, (), s.first) for s in spans], padded)
+            assert torch.equal(got, want), (seed, step)
+            assert torch.equal(want, torch.cat([process_row(logits[i : i + 1], rows[s.slot].params,
+                                                            rows[s.slot].prompt, rows[s.slot].output, s.drafts,
+                                                            s.first) for i, s in enumerate(spans)]))

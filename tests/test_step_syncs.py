@@ -1,7 +1,7 @@
 """Host reads of a whole engine step on the static runners (dsde_core/syncs.py counts them on any device): one read of
-the draft's tokens and distributions for all its levels where k is fixed at plan time (one a level where a row's stop
-or penalties read its drafts), one of the step's verdicts, nothing else; a change that brings a per-row or per-level
-read or a data-dependent op back into the step fails here."""
+the draft's tokens and distributions for all its levels where k is fixed at plan time (penalties included: they count
+the drafts on the device; one a level where a row's stop reads its confidences), one of the step's verdicts, nothing
+else; a change that brings a per-row or per-level read or a data-dependent op back into the step fails here."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def steady_step(policy: str, processed: dict | None = None) -> tuple[Counter[str
     return c.syncs, engine
 
 
-@pytest.mark.parametrize("processed", [None, BIASED], ids=["plain", "biased"])
+@pytest.mark.parametrize("processed", [None, BIASED, PENALIZED], ids=["plain", "biased", "penalized"])
 @pytest.mark.parametrize("policy", ["static:1", "static:3", "dsde"])
 def test_a_step_of_fixed_k_reads_the_draft_back_once_and_the_verdicts_once(policy: str, processed: dict) -> None:
     syncs, engine = steady_step(policy, processed)
@@ -52,11 +52,11 @@ def test_a_step_of_fixed_k_reads_the_draft_back_once_and_the_verdicts_once(polic
     assert syncs == Counter({"cpu": 1, "tolist": 2}), syncs  # the draft's copy and its scalars; the verdicts
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_penalties_cost_one_read_a_draft_level(k: int) -> None:
-    syncs, engine = steady_step(f"static:{k}", PENALIZED)
-    assert engine.step_log[-1].ks == [k] * 3  # every row drafted k tokens: k levels
-    assert syncs == Counter({"cpu": k, "tolist": k + 1}), syncs  # a level: its copy and that copy's scalars
+def test_a_confidence_stop_costs_one_read_a_draft_level() -> None:
+    """AdaEDL's stop reads each level's confidences before the next: one copy a level drafted."""
+    syncs, engine = steady_step("adaedl")
+    levels = max(engine.step_log[-1].ks)
+    assert levels > 0 and syncs == Counter({"cpu": levels, "tolist": levels + 1}), (levels, syncs)
 
 
 def test_a_target_only_step_reads_back_once() -> None:
@@ -69,13 +69,15 @@ def test_levels_chained_on_the_device_draft_what_a_level_at_a_time_drafts(static
     """The draft worker's two loops: levels fed the last one's draws on the device and read back once (every row's k
     fixed), and one read a level (a row's AdaEDL stop reads its confidences; min_confidence 0 never stops a row of this
     vocabulary) draft the same tokens, confidences and distributions, for greedy and seeded rows of ragged k beside a
-    row that only catches up, over steps with rollback."""
+    row that only catches up, over steps with rollback; two rows' penalties count their drafts (on the device, and
+    from the host's reads)."""
     _, draft = tiny_pair()
     workers = [DraftWorker(StaticRunner(draft, 4, 64, 5) if static else ModelRunner(draft, 4, 64)) for _ in range(2)]
     prompts = random_prompts(4, seed=5, min_len=6, max_len=10)
     for w in workers:
         for slot, p in enumerate(prompts):
-            w.open(slot, SamplingParams(temperature=0.0 if slot % 2 else 0.9, seed=slot), len(p))
+            w.open(slot, SamplingParams(temperature=0.0 if slot % 2 else 0.9, seed=slot,
+                                        **(PENALIZED if slot < 2 else {})), len(p))
     committed = {slot: list(p) for slot, p in enumerate(prompts)}
     for step, ks in enumerate(([3, 1, 4, 0], [2, 4, 0, 1], [4, 4, 4, 4])):
         got = []
