@@ -23,6 +23,10 @@ RecoveryGuard makes every call to them, so that a party's failure costs this and
     target fails on alone TARGET_TRIES times in a row ends with the error; the others go on exactly.
 - A release that raises, or that cannot reach a party that is down, is deferred until the party answers again.
 
+Where DSDE_STRICT_FAULTS is set (the test suite sets it), an error that is a bug in the code (AttributeError,
+NameError, TypeError, IndexError, KeyError, AssertionError) is raised out of the step instead of survived: a test
+would otherwise pass on the target-only fallback while the draft path is broken.
+
 The engine's own errors are not the guard's: one committing a request's tokens ends that request only; any other error
 out of a step ends the step's requests (AsyncEngine calls Engine.fail_running; the waiting ones run next).
 """
@@ -30,6 +34,7 @@ out of a step ends the step's requests (AsyncEngine calls Engine.fail_running; t
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,6 +55,8 @@ ROLES = ("target", "draft", "policy")
 MAX_FAULT_WAIT_S = 60.0  # the longest a faulty draft or policy sits out before it is tried again
 TARGET_TRIES = 2  # a request ends after the target raised on it alone this many times in a row (a passing fault: once)
 DRAFT_TRIES = 2  # a request goes on target-only after the draft raised on it alone this many times in a row
+STRICT_ENV = "DSDE_STRICT_FAULTS"  # set: a party's bug (BUGS) is raised out of the step, not survived
+BUGS = (AttributeError, NameError, TypeError, IndexError, KeyError, AssertionError)
 
 
 class DraftAPI(Protocol):
@@ -116,6 +123,12 @@ def describe(error: BaseException) -> str:
     last line is the original error)."""
     lines = [line for line in str(error).splitlines() if line.strip()]
     return f"{type(error).__name__}: {lines[-1].strip()}" if lines else type(error).__name__
+
+
+def raise_if_bug(error: BaseException) -> None:
+    """Raise `error` where DSDE_STRICT_FAULTS is set and it is one of BUGS (a fault of the code, not of a party)."""
+    if os.environ.get(STRICT_ENV) and isinstance(error, BUGS):
+        raise error
 
 
 def is_available(party: Any) -> bool:
@@ -302,6 +315,7 @@ class RecoveryGuard:
         if isinstance(error, WorkerUnavailable):
             h.mark_down(now, str(error))
         else:
+            raise_if_bug(error)
             log.error("the %s raised an error; going on without it (target-only)", role, exc_info=error)
             h.fault(now, error, self.config.worker_probe_s)
         for r in self.scheduler.running:  # what it was told is lost: resync from scratch (prompt + committed tokens)
@@ -314,6 +328,7 @@ class RecoveryGuard:
         """The target raised `error` on `rows` (a fault: it still answers; nothing was committed). Each becomes a
         suspect that runs alone until it passes a step; one the target raised on alone TARGET_TRIES times in a row
         ends with the error. What the call left of their target state is not known: each slot is opened afresh."""
+        raise_if_bug(error)
         self.health["target"].count_fault(error)
         log.error("the target raised an error on %d request(s); each is tried alone, and one it fails on alone %d "
                   "times ends with the error", len(rows), TARGET_TRIES, exc_info=error)
@@ -332,6 +347,7 @@ class RecoveryGuard:
         its wait and each of the call's requests becomes a suspect. A fault on the suspect drafting alone is that
         request's: the draft stays up, the suspect's slot is opened afresh, and one the draft raised on alone
         DRAFT_TRIES times goes on target-only to its end."""
+        raise_if_bug(error)
         alone = self.alone
         if alone is None:
             self._failed("draft", error)

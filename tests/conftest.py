@@ -12,6 +12,9 @@ import torch
 # Triton kernels (dsde_core/models/triton_attention.py) run under Triton's interpreter on this CPU: set before any
 # kernel is decorated, i.e. before dsde_core is imported
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# a party's bug (an AttributeError, a TypeError...) raises out of the engine's step instead of passing as the
+# target-only fallback (dsde_core/recovery.py); fault tests raise the errors a party really may
+os.environ.setdefault("DSDE_STRICT_FAULTS", "1")
 
 
 def tiny_hf_config(arch: str, **overrides):

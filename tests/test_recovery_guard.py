@@ -264,3 +264,26 @@ def test_opening_an_admitted_requests_slot_a_target_fault_is_the_requests_own(cl
     lost = admitted("lost")
     assert s.guard.open(lost) == [] and s.guard.target_down and lost in s.scheduler.running
     assert s.draft.named("open") == [0, lost.slot]
+
+
+@pytest.mark.parametrize("role", ["draft", "target", "policy"])
+def test_a_bug_raises_out_of_the_step_where_faults_are_strict(clock: Clock, role: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """DSDE_STRICT_FAULTS (the suite sets it): an AttributeError out of a party is raised, not survived as a fault;
+    a RuntimeError still is. Unset (a server), the bug is a fault too."""
+    calls = {"draft": lambda s: s.guard.propose(["task"], s.reqs, None),
+             "target": lambda s: s.guard.verify(["task"], s.reqs),
+             "policy": lambda s: s.guard.observe(s.reqs, lambda: ["feedback"])}
+    method = {"draft": "propose", "target": "verify", "policy": "observe"}[role]
+    s = Setup()
+    getattr(s, role).raises[method] = AttributeError("'_Slot' object has no attribute 'prompt_len'")
+    with pytest.raises(AttributeError, match="prompt_len"):
+        calls[role](s)
+    for strict, error in ((True, RuntimeError("CUDA error: out of memory")), (False, AttributeError("a bug"))):
+        if not strict:
+            monkeypatch.delenv("DSDE_STRICT_FAULTS")
+        s = Setup()
+        getattr(s, role).raises[method] = error
+        calls[role](s)  # survived
+        h = s.guard.health[role]
+        assert h.failures == 1 and type(error).__name__ in h.last_error, (strict, h.as_dict())
