@@ -157,14 +157,15 @@ class Processors:
         own = cols < ncols[:, None]  # [P, M']
         t = t.gather(2, torch.where(own, cols, 0)[:, None, :].expand(-1, len(FIELDS), -1))  # beyond: the first's
         params = [q.params for q in reqs]
-        if any(q.penalized for q in params):  # the drafts before each position join its counts
+        penalized = any(q.penalized for q in params)
+        if penalized:  # the drafts before each position join its counts
             t = self._with_drafts(t, own, self._drafts(before, pos, drafted, dev))
         ids, counts = t[:, IDS].long(), t[:, COUNTS]  # [P, C] each, C = M' (+ L where drafts joined)
         at = torch.tensor(pos, device=dev)[:, None].expand_as(ids)  # [P, C]
         z = logits[at, ids]  # [P, C]
         z = torch.where((t[:, STOP] > 0) & torch.tensor(held, device=dev)[:, None], HELD, z)
         z = z + t[:, BIAS]
-        if any(q.penalized for q in params):
+        if penalized:
             r, freq, pres = torch.tensor([[q.repetition_penalty, q.frequency_penalty, q.presence_penalty]
                                           for q in params], device=dev).T[:, :, None]  # [P, 1] each
             if any(q.repetition_penalty != 1.0 for q in params):

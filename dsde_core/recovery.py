@@ -347,13 +347,13 @@ class RecoveryGuard:
         its wait and each of the call's requests becomes a suspect. A fault on the suspect drafting alone is that
         request's: the draft stays up, the suspect's slot is opened afresh, and one the draft raised on alone
         DRAFT_TRIES times goes on target-only to its end."""
-        raise_if_bug(error)
         alone = self.alone
         if alone is None:
             self._failed("draft", error)
             for r in reqs:
                 self.draft_suspects.setdefault(r.req_id, 0)
             return
+        raise_if_bug(error)  # (a batch's: _failed)
         self.health["draft"].count_fault(error)
         tries = self.draft_suspects.get(alone.req_id, 0) + 1  # faults alone, in a row
         log.error("the draft raised an error on request %s alone (%d of %d)", alone.req_id, tries, DRAFT_TRIES,
