@@ -51,6 +51,7 @@ from dsde_core.errors import ConfigError, DSDEError
 _PROMPTS: list[str] = []
 _MODEL: list[str] = []
 _STOPPING: list[bool] = []  # a user found no model list: the test is ending
+_LOADED: dict[tuple[str, int, int], list[str]] = {}  # the prompts of each (workloads, per workload, max chars)
 
 
 @events.init_command_line_parser.add_listener
@@ -81,13 +82,16 @@ def _prompts(opts: Any) -> list[str]:
                         (0 <= opts.temperature <= 2, "--temperature must be in [0, 2]")):
         if not ok:
             raise ConfigError(problem)
-    prompts: list[str] = []
-    for name in filter(None, (w.strip() for w in opts.workloads.split(","))):
-        prompts += [p.text for p in load_workload(name, n=opts.prompts_per_workload, seed=0,
-                                                  max_chars=opts.max_prompt_chars)]
-    if not prompts:
-        raise ConfigError(f"no prompts from --workloads {opts.workloads!r}")
-    return prompts
+    key = (opts.workloads, opts.prompts_per_workload, opts.max_prompt_chars)
+    if key not in _LOADED:  # each test start asks again (the web UI may change the options): load once a choice
+        prompts: list[str] = []
+        for name in filter(None, (w.strip() for w in opts.workloads.split(","))):
+            prompts += [p.text for p in load_workload(name, n=opts.prompts_per_workload, seed=0,
+                                                      max_chars=opts.max_prompt_chars)]
+        if not prompts:
+            raise ConfigError(f"no prompts from --workloads {opts.workloads!r}")
+        _LOADED[key] = prompts
+    return _LOADED[key]
 
 
 @events.init.add_listener
@@ -98,6 +102,9 @@ def _check_options(environment: Environment, **_: Any) -> None:
             _prompts(environment.parsed_options)
         except DSDEError as e:
             sys.exit(f"locustfile: error: {e}")
+    # the load above blocked gevent's loop, whose clock stands still until the loop runs again; --run-time's timer,
+    # armed next from that clock, would fire early by the load's time (on a busy machine before any user has started)
+    gevent.get_hub().loop.update_now()
 
 
 @events.test_start.add_listener
