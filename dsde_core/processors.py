@@ -37,6 +37,7 @@ import torch
 
 from dsde_core.config import SamplingParams
 from dsde_core.errors import ConfigError
+from dsde_core.packet import Packet, Part
 
 HELD = -1e9  # the logit of a token held off (min_tokens): finite, so 0 * logit stays 0 in an entropy
 FIELDS = IDS, COUNTS, BIAS, PROMPT, STOP = range(5)  # a table row's fields
@@ -89,6 +90,22 @@ class Span:
     first: int = 0
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What a step's processed positions read on the device, as parts of its packet (Processors.plan)."""
+
+    width: int  # M': the widest of the positions' rows
+    writes: list[tuple[bool, Part, Part]]  # (added, (row, field, column) [u, 3], values [u]): the table's updates
+    penalized: bool  # a position's penalties count its drafts
+    repetition: bool  # a position has a repetition penalty
+    pos: Part  # [P] the processed positions
+    table_rows: Part  # [P] each position's table row
+    ncols: Part  # [P] its row's columns
+    held: Part  # [P] whether it is under min_tokens
+    penalties: Part | None  # [P, 3] repetition, frequency, presence
+    before: Part | None  # [P, L] the spans' drafts before each position (-1 pads), where penalties count them
+
+
 class Processors:
     """The processor tables of one worker's requests (the table made on the logits' device when first needed)."""
 
@@ -123,8 +140,19 @@ class Processors:
         """logits [N, V] packed by `spans` -> the logits each position samples from: the processed positions through
         their requests' tables (the module's formulas), the rest as they are; `logits` itself when no row processes
         (else a new tensor, `logits` kept). drafted [N, L] (on the logits' device, -1 pads): the drafts each position
-        follows, in place of its span's (a draft level's, drawn on the device by the levels before it)."""
-        dev = logits.device
+        follows, in place of its span's (a draft level's, drawn on the device by the levels before it). plan, then
+        apply, with a packet of their own."""
+        pk = Packet()
+        plan = self.plan(spans, pk, drafted is not None)
+        if plan is None:
+            return logits
+        pk.send(logits.device)
+        return self.apply(logits, plan, pk, drafted)
+
+    def plan(self, spans: Sequence[Span], pk: Packet, drafted: bool = False) -> Plan | None:
+        """The host half of `process`: the spans' requests take their committed tokens, and what the step's device
+        half reads (table updates, positions, rows, stop holds, penalties, the drafts before each position unless
+        `drafted` brings them) goes into the packet -> the plan for `apply`; None where no row processes."""
         pos, reqs, held, before = [], [], [], []  # [P] position, request, held, and drafts before it (from the spans)
         updates: list[tuple[int, int, int, float]] = []  # (row, field, column, value) of the step's requests
         start = 0
@@ -141,53 +169,59 @@ class Processors:
                     before.append(s.drafts[: s.first + j])
             start += s.n
         if not pos:
-            return logits
-        if logits.shape[-1] > 1 << 24:
-            raise ConfigError(f"logits processors hold token ids in fp32: a vocabulary of {logits.shape[-1]} > 2^24")
-        width = max(len(q.cols) for q in reqs)
-        table = self._fit(dev, width)
-        for add in (False, True):  # new columns, bias, stop and prompt marks (set), then output counts (added)
+            return None
+        params = [q.params for q in reqs]
+        writes = []  # new columns, bias, stop and prompt marks (set), then output counts (added)
+        for add in (False, True):
             part = [u for u in updates if (u[1] == COUNTS) == add]
             if part:
-                r, f, c = torch.tensor([u[:3] for u in part], device=dev).T  # [u] each
-                table.index_put_((r, f, c), torch.tensor([u[3] for u in part], device=dev), accumulate=add)
-        t = table.index_select(0, torch.tensor([q.row for q in reqs], device=dev))[:, :, :width]  # [P, FIELDS, M']
-        cols = torch.arange(width, device=dev)
-        ncols = torch.tensor([len(q.cols) for q in reqs], device=dev)  # [P]
-        own = cols < ncols[:, None]  # [P, M']
-        t = t.gather(2, torch.where(own, cols, 0)[:, None, :].expand(-1, len(FIELDS), -1))  # beyond: the first's
-        params = [q.params for q in reqs]
+                writes.append((add, pk.ints([u[:3] for u in part]), pk.floats([u[3] for u in part])))
         penalized = any(q.penalized for q in params)
-        if penalized:  # the drafts before each position join its counts
-            t = self._with_drafts(t, own, self._drafts(before, pos, drafted, dev))
+        width = max(map(len, before)) if penalized and not drafted else 0
+        return Plan(
+            width=max(len(q.cols) for q in reqs), writes=writes, penalized=penalized,
+            repetition=any(q.repetition_penalty != 1.0 for q in params), pos=pk.ints(pos),
+            table_rows=pk.ints([q.row for q in reqs]), ncols=pk.ints([len(q.cols) for q in reqs]), held=pk.bools(held),
+            penalties=pk.floats([[q.repetition_penalty, q.frequency_penalty, q.presence_penalty] for q in params])
+            if penalized else None,
+            before=pk.ints([[*b, *[-1] * (width - len(b))] for b in before]) if width else None)
+
+    @torch.inference_mode()
+    def apply(self, logits: torch.Tensor, plan: Plan, pk: Packet, drafted: torch.Tensor | None = None) -> torch.Tensor:
+        """The device half of `process`, its inputs from `plan`'s parts of the sent packet: no host value is read and
+        nothing is uploaded but the packet."""
+        dev = logits.device
+        if logits.shape[-1] > 1 << 24:
+            raise ConfigError(f"logits processors hold token ids in fp32: a vocabulary of {logits.shape[-1]} > 2^24")
+        width = plan.width
+        table = self._fit(dev, width)
+        for add, where, values in plan.writes:
+            r, f, c = pk[where].T  # [u] each
+            table.index_put_((r, f, c), pk[values], accumulate=add)
+        pos = pk[plan.pos]  # [P]
+        t = table.index_select(0, pk[plan.table_rows])[:, :, :width]  # [P, FIELDS, M']
+        cols = torch.arange(width, device=dev)
+        own = cols < pk[plan.ncols][:, None]  # [P, M']
+        t = t.gather(2, torch.where(own, cols, 0)[:, None, :].expand(-1, len(FIELDS), -1))  # beyond: the first's
+        if plan.penalized:  # the drafts before each position join its counts
+            d = pk[plan.before] if plan.before is not None else drafted  # [P, L], or [N, L]: drafted's rows
+            if d is drafted and d is not None and len(d) != len(pos):
+                d = d.index_select(0, pos)  # [P, L] the processed positions' rows
+            t = self._with_drafts(t, own, d if d is not None and d.shape[1] else None)
         ids, counts = t[:, IDS].long(), t[:, COUNTS]  # [P, C] each, C = M' (+ L where drafts joined)
-        at = torch.tensor(pos, device=dev)[:, None].expand_as(ids)  # [P, C]
+        at = pos[:, None].expand_as(ids)  # [P, C]
         z = logits[at, ids]  # [P, C]
-        z = torch.where((t[:, STOP] > 0) & torch.tensor(held, device=dev)[:, None], HELD, z)
+        z = torch.where((t[:, STOP] > 0) & pk[plan.held][:, None], HELD, z)
         z = z + t[:, BIAS]
-        if penalized:
-            r, freq, pres = torch.tensor([[q.repetition_penalty, q.frequency_penalty, q.presence_penalty]
-                                          for q in params], device=dev).T[:, :, None]  # [P, 1] each
-            if any(q.repetition_penalty != 1.0 for q in params):
+        if plan.penalties is not None:
+            r, freq, pres = pk[plan.penalties].T[:, :, None]  # [P, 1] each
+            if plan.repetition:
                 seen = (t[:, PROMPT] > 0) | (counts > 0)
                 z = torch.where(seen, torch.where(z > 0, z / r, z * r), z)
             z = z - freq * counts - pres * (counts > 0).float()
         out = logits.clone()
         out[at, ids] = z  # a repeated token writes the value its first copy does
         return out
-
-    @staticmethod
-    def _drafts(before: list[Sequence[int]], pos: list[int], drafted: torch.Tensor | None,
-                dev: torch.device) -> torch.Tensor | None:
-        """The drafts before each processed position, [P, L] on `dev` (-1 pads), from `drafted` [N, L] where given,
-        else from the spans' lists; None where no position has any."""
-        if drafted is not None:
-            d = drafted if len(pos) == len(drafted) else drafted.index_select(0, torch.tensor(pos, device=dev))
-            return d if d.shape[1] else None
-        width = max(map(len, before))
-        if not width:
-            return None
-        return torch.tensor([[*b, *[-1] * (width - len(b))] for b in before], device=dev)
 
     @staticmethod
     def _with_drafts(t: torch.Tensor, own: torch.Tensor, d: torch.Tensor | None) -> torch.Tensor:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from dsde_core.config import SamplingParams
+from dsde_core.packet import Packet, Part
 
 
 def signal_temperature(params: SamplingParams) -> float:
@@ -33,27 +34,43 @@ def make_generator(seed: int | None, stream: int, device: str = "cpu", emitted: 
     return gen
 
 
-def batch_probs(logits: torch.Tensor, temperature: Sequence[float], top_k: Sequence[int], top_p: Sequence[float],
-                min_p: Sequence[float]) -> torch.Tensor:
+def batch_probs(logits: torch.Tensor, temperature: Sequence[float] | torch.Tensor, top_k: Sequence[int] | torch.Tensor,
+                top_p: Sequence[float] | torch.Tensor, min_p: Sequence[float] | torch.Tensor,
+                filtered: bool | None = None) -> torch.Tensor:
     """The target's sampling distribution p at N positions at once, each with its request's parameters: logits [N, V]
-    fp32 and the parameters per position, host values (temperature > 0; top_k 0, top_p 1 and min_p 0 filter nothing)
-    -> probs [N, V]. The filters as dense ops on one descending sort: z = logits / T; top-k keeps z >= the k-th largest;
-    top-p drops a token once the mass before it in the sorted order reaches top_p; min-p drops z < z_max + log(min_p).
-    Where no position filters (known on the host), no sort: softmax(z)."""
+    fp32 and the parameters per position (temperature > 0; top_k 0, top_p 1 and min_p 0 filter nothing), host
+    values or [N] tensors on the logits' device (a step's packet) -> probs [N, V]. The filters as dense ops on one
+    descending sort: z = logits / T; top-k keeps z >= the k-th largest; top-p drops a token once the mass before it in
+    the sorted order reaches top_p; min-p drops z < z_max + log(min_p). Where no position filters (known on the host:
+    `filtered`, else read off host values by `filters`), no sort: softmax(z)."""
     dev, v = logits.device, logits.shape[-1]
-    z = logits / torch.tensor(temperature, dtype=logits.dtype, device=dev)[:, None]  # [N, V]
-    if all((k == 0 or k >= v) and p >= 1.0 and m == 0.0 for k, p, m in zip(top_k, top_p, min_p, strict=True)):
+    t, k, top_p_t, min_p_t = (torch.as_tensor(x, dtype=d, device=dev)
+                              for x, d in ((temperature, logits.dtype), (top_k, torch.long), (top_p, logits.dtype),
+                                           (min_p, logits.dtype)))  # [N] each
+    z = logits / t[:, None]  # [N, V]
+    if not (filters(top_k, top_p, min_p, v) if filtered is None else filtered):
         return torch.softmax(z, dim=-1)
     ranked, order = torch.sort(z, dim=-1, descending=True)  # [N, V]
-    k = torch.tensor([x if 0 < x < v else v for x in top_k], device=dev)  # [N]
+    k = torch.where((k > 0) & (k < v), k, v)  # [N]: 0 keeps all
     ranked = ranked.masked_fill(ranked < ranked.gather(-1, (k - 1)[:, None]), float("-inf"))  # top-k
     probs = torch.softmax(ranked, dim=-1)
-    top_p_t = torch.tensor(top_p, dtype=probs.dtype, device=dev)[:, None]  # [N, 1]
+    top_p_t, min_p_t = top_p_t[:, None], min_p_t[:, None]  # [N, 1] each
     drop = ((probs.cumsum(-1) - probs) >= top_p_t) & (top_p_t < 1.0)
     drop[:, 0] = False  # the first token always stays
-    min_p_t = torch.tensor(min_p, dtype=z.dtype, device=dev)[:, None]  # [N, 1]
     drop |= (ranked < ranked[:, :1] + torch.log(min_p_t.clamp(min=1e-30))) & (min_p_t > 0)
     return torch.zeros_like(z).scatter_(-1, order, torch.softmax(ranked.masked_fill(drop, float("-inf")), dim=-1))
+
+
+def filters(top_k: Sequence[int], top_p: Sequence[float], min_p: Sequence[float], v: int) -> bool:
+    """Whether any position's top-k, top-p or min-p removes a token of a vocabulary of v (host values)."""
+    return not all((k == 0 or k >= v) and p >= 1.0 and m == 0.0 for k, p, m in zip(top_k, top_p, min_p, strict=True))
+
+
+def filter_inputs(params: Sequence[SamplingParams], v: int, pk: Packet) -> tuple[list[Part], bool]:
+    """batch_probs' inputs for positions sampled with `params` over a vocabulary of v: their temperature, top_k, top_p
+    and min_p into the packet ([S] each), and whether any position filters."""
+    temp, top_k, top_p, min_p = ([getattr(p, f) for p in params] for f in ("temperature", "top_k", "top_p", "min_p"))
+    return [pk.floats(temp), pk.ints(top_k), pk.floats(top_p), pk.floats(min_p)], filters(top_k, top_p, min_p, v)
 
 
 @dataclass(frozen=True)
@@ -110,34 +127,62 @@ class DraftLevel:
     entropy: torch.Tensor  # [B] (nan where not asked for)
 
 
+@dataclass(frozen=True)
+class DraftInputs:
+    """What a draft level's distributions read on the device (draft_inputs), as parts of the level's packet."""
+
+    t_sig: Part  # [B] the rows' signal temperatures
+    unit: bool  # every row's signal temperature is 1 (no division)
+    entropy: Part | None  # [B] whether a row asks for its entropy; None: no row does
+    sampled: Part | None  # [S] the rows that sample (the rest are greedy); None: every row is greedy
+    sampling: list[Part]  # the sampled rows' [temperature, top_k, top_p, min_p] [S] each
+    filtered: bool  # a sampled row filters its K top logits
+
+
+def draft_inputs(params: Sequence[SamplingParams], with_entropy: Sequence[bool], top_k: int,
+                 pk: Packet) -> DraftInputs:
+    """The host half of draft_dists: the rows' parameters into the packet (top_k: the K of the level's distributions,
+    min(the worker's top-K, V))."""
+    t_sig = [signal_temperature(p) for p in params]
+    sampled = [r for r, p in enumerate(params) if not p.greedy]
+    columns, filtered = filter_inputs([params[r] for r in sampled], top_k, pk)
+    return DraftInputs(pk.floats(t_sig), all(x == 1.0 for x in t_sig),
+                       pk.bools(list(with_entropy)) if any(with_entropy) else None,
+                       pk.ints(sampled) if sampled else None, columns, filtered)
+
+
 def draft_dists(logits: torch.Tensor, params: Sequence[SamplingParams], top_k: int,
                 with_entropy: Sequence[bool]) -> DraftLevel:
-    """logits [B, V] fp32 of one draft level, row r processed for params[r] -> the rows' sparse distributions.
+    """logits [B, V] fp32 of one draft level, row r processed for params[r] -> the rows' sparse distributions
+    (draft_inputs, then draft_level, with a packet of their own)."""
+    pk = Packet()
+    inputs = draft_inputs(params, with_entropy, min(top_k, logits.shape[-1]), pk)
+    pk.send(logits.device)
+    return draft_level(logits, inputs, pk, top_k)
 
-    With T_r the signal temperature, z = logits / T_r and lse = logsumexp(z):
+
+def draft_level(logits: torch.Tensor, inputs: DraftInputs, pk: Packet, top_k: int) -> DraftLevel:
+    """The device half of draft_dists. With T_r the signal temperature, z = logits / T_r and lse = logsumexp(z):
         ids, top = the K largest logits;  q_signal = exp(top / T_r - lse)  (untruncated: the rest holds 1 - sum)
         entropy H = -sum p log p = lse - sum softmax(z) z  (a second pass over V, only where a row asks for it)
         q_sample: one-hot on ids[0] for a greedy row; else the request's temperature, top-k, top-p and min-p over
         the K top logits (batch_probs), which is exactly what the draft samples from and ships to the verifier."""
-    dev, v = logits.device, logits.shape[-1]
-    t_sig = [signal_temperature(p) for p in params]
-    top, ids = torch.topk(logits, min(top_k, v), dim=-1)  # [B, K]
-    t = torch.tensor(t_sig, dtype=logits.dtype, device=dev)[:, None]  # [B, 1]
-    z = logits if all(x == 1.0 for x in t_sig) else logits / t  # [B, V]
+    top, ids = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1)  # [B, K]
+    t = pk[inputs.t_sig].to(logits.dtype)[:, None]  # [B, 1]
+    z = logits if inputs.unit else logits / t  # [B, V]
     lse = torch.logsumexp(z, dim=-1, keepdim=True)  # [B, 1]
     q_signal = (top / t - lse).exp()  # [B, K]
-    entropy = torch.full((len(params),), float("nan"), device=dev)
-    if any(with_entropy):
+    entropy = torch.full((logits.shape[0],), float("nan"), device=logits.device)
+    if inputs.entropy is not None:
         h = lse[:, 0] - (torch.softmax(z, dim=-1) * z).sum(-1)  # [B]
-        entropy = torch.where(torch.tensor(list(with_entropy), device=dev), h, entropy)
+        entropy = torch.where(pk[inputs.entropy], h, entropy)
     q_sample = torch.zeros_like(top)
     q_sample[:, 0] = 1.0  # greedy rows: one-hot on the argmax
-    sampled = [r for r, p in enumerate(params) if not p.greedy]
-    if sampled:
-        chosen = [params[r] for r in sampled]
-        probs = batch_probs(top[sampled], *([getattr(p, f) for p in chosen]
-                                            for f in ("temperature", "top_k", "top_p", "min_p")))  # [S, K]
-        q_sample = q_sample.index_copy(0, torch.tensor(sampled, device=dev), probs)
+    if inputs.sampled is not None:
+        sampled = pk[inputs.sampled]  # [S]
+        probs = batch_probs(top.index_select(0, sampled), *(pk[x] for x in inputs.sampling),
+                            filtered=inputs.filtered)  # [S, K]
+        q_sample = q_sample.index_copy(0, sampled, probs)
     return DraftLevel(ids, q_sample, q_signal, entropy)
 
 
@@ -154,8 +199,9 @@ def draft_uniforms(gens: Sequence[torch.Generator | None]) -> torch.Tensor:
 
 def sample_level(level: DraftLevel, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's draft token from exactly the distribution shipped to the verifier, by inverse CDF of q_sample with
-    u [B] (a greedy row's one-hot gives ids[0] for any u) -> (tokens [B] int64, their q_signal: the confidence [B])."""
-    j = inverse_cdf(level.q_sample, u.to(level.q_sample.device))[:, None]  # [B, 1]: index into the K ids
+    u [B] on the level's device (a greedy row's one-hot gives ids[0] for any u) -> (tokens [B] int64, their q_signal:
+    the confidence [B])."""
+    j = inverse_cdf(level.q_sample, u)[:, None]  # [B, 1]: index into the K ids
     return level.ids.gather(-1, j)[:, 0], level.q_signal.gather(-1, j)[:, 0]
 
 

@@ -14,13 +14,14 @@ A catch-up task may carry a limit: a prefill fed in chunks (EngineConfig.prefill
 call, and the prefix match picks up where the last chunk ended.
 
 Sampling, verification and the KLD signal run batched on the device the logits are on: a draft level's
-distributions and draws (sampling.draft_dists), the step's rejection sampler (dsde_core/verify.py) and the KLD at
-every drafted position, read back in one copy each: the draft's tokens and distributions of all its levels where
-k is fixed at plan time (each level is fed the last one's draws on the device, and penalties count them there), of
-each level where a row's stop reads its confidences; a step's verdicts.
-The uniforms they draw by come from each request's own generator on the host, so a seed draws the same tokens on any
-device and in any batch. The per-request logits processors (stop tokens held, logit bias, penalties) go first, for
-the whole batch at once over each request's tables on the device (dsde_core/processors.py).
+distributions and draws (sampling.draft_inputs, draft_level), the step's rejection sampler (dsde_core/verify.py) and
+the KLD at every drafted position, read back in one copy each: the draft's tokens and distributions of all its levels
+where k is fixed at plan time (each level is fed the last one's draws on the device, and penalties count them there),
+of each level where a row's stop reads its confidences; a step's verdicts. What they read from the host (uniforms,
+drafts, sampling parameters, the processors' updates) goes to the device in one packet a pass (dsde_core/packet.py).
+The uniforms come from each request's own generator on the host, so a seed draws the same tokens on any device and in
+any batch. The per-request logits processors (stop tokens held, logit bias, penalties) go first, for the whole batch
+at once over each request's tables on the device (dsde_core/processors.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 from dsde_core.config import EngineConfig, SamplingParams
 from dsde_core.errors import WorkerStateLost
 from dsde_core.models.runner import Runner
+from dsde_core.packet import Packet, Part
 from dsde_core.policies.adaedl import entropy_confidence, should_stop
 from dsde_core.policies.stopping import CONFIDENCE_AS_P, AcceptModel, DraftStop
 from dsde_core.processors import Processors, Span
@@ -40,8 +42,10 @@ from dsde_core.sampling import (
     DraftDist,
     TokenLogprob,
     batch_probs,
-    draft_dists,
+    draft_inputs,
+    draft_level,
     draft_uniforms,
+    filter_inputs,
     make_generator,
     sample_level,
     signal_temperature,
@@ -188,8 +192,11 @@ class DraftWorker(_Worker):
         # sequences with k = 0 only catch up: feed all but the last committed token, which the next step feeds
         catch_up = [t for t in tasks if t.k == 0 and len(feeds[t.slot]) > 1]
         live = [t for t in tasks if t.k > 0]
+        fixed = not any(self._reads_drafts(t, stop) for t in live)
+        if fixed:
+            live.sort(key=lambda t: -t.k)  # in descending k: the rows still drafting at a level are a prefix
         batch = [(t.slot, feeds[t.slot]) for t in live] + [(t.slot, feeds[t.slot][:-1][: t.limit]) for t in catch_up]
-        if not any(self._reads_drafts(t, stop) for t in live):
+        if fixed:
             self._draft_fixed(live, batch, out)
             return [out[t.slot] for t in tasks]
         drafted = level = 0
@@ -220,9 +227,10 @@ class DraftWorker(_Worker):
 
     def _draft_fixed(self, live: list[DraftTask], batch: list[tuple[int, list[int]]],
                      out: dict[int, Proposal]) -> None:
-        """Every row of `live` drafts its k tokens: level l + 1 is fed level l's draws on the device (Runner's ids),
-        and every level's tokens and distributions come back in one copy after the last (the catch-up rows of
-        `batch`, after live's, are fed at level 0 only)."""
+        """Every row of `live` (in descending k) drafts its k tokens: level l + 1 is fed level l's draws on the device
+        (Runner's ids), for the rows still drafting, a prefix of the level's (so a slice: no index is uploaded), and
+        every level's tokens and distributions come back in one copy after the last (the catch-up rows of `batch`,
+        after live's, are fed at level 0 only)."""
         if not batch:
             return
         logits = self._forward(batch)  # [B, V] on the device: level 0, live's rows and the catch-up rows
@@ -234,15 +242,13 @@ class DraftWorker(_Worker):
             drafting.append(rows)
             packed.append(host)
             level += 1
-            keep = [i for i, t in enumerate(rows) if t.k > level]
+            keep = sum(t.k > level for t in rows)  # the rows still drafting: a prefix, rows being in descending k
             if not keep:
                 break
-            pick = None if len(keep) == len(rows) else torch.tensor(keep, dtype=torch.long).to(tokens.device)
-            ids = tokens if pick is None else tokens[pick]
             if counted:
                 drafted = tokens[:, None] if drafted is None else torch.cat([drafted, tokens[:, None]], 1)
-                drafted = drafted if pick is None else drafted[pick]
-            rows = [rows[i] for i in keep]
+                drafted = drafted[:keep]
+            ids, rows = tokens[:keep], rows[:keep]
             logits = self._forward([(t.slot, []) for t in rows], ids)  # the tokens from ids
         if not packed:
             return
@@ -280,10 +286,16 @@ class DraftWorker(_Worker):
         (tokens [B], the rows packed for one copy [B, 3 + 3K]: token, confidence, entropy, ids, q_sample, q_signal),
         on the device."""
         slots = [self.slots[t.slot] for t in live]
-        spans = [Span(t.slot, 1, s.committed, (), level) for t, s in zip(live, slots, strict=True)]
-        z = self.processors.process(logits, spans, drafted)  # [B, V]
-        dists = draft_dists(z, [s.params for s in slots], self.top_k, [t.min_confidence is not None for t in live])
-        tokens, conf = sample_level(dists, draft_uniforms([None if s.params.greedy else s.gen for s in slots]))
+        pk = Packet()
+        plan = self.processors.plan([Span(t.slot, 1, s.committed, (), level) for t, s in zip(live, slots, strict=True)],
+                                    pk, drafted is not None)
+        inputs = draft_inputs([s.params for s in slots], [t.min_confidence is not None for t in live],
+                              min(self.top_k, logits.shape[-1]), pk)
+        u = pk.floats(draft_uniforms([None if s.params.greedy else s.gen for s in slots]))  # [B]
+        pk.send(logits.device)  # the level's one upload
+        z = logits if plan is None else self.processors.apply(logits, plan, pk, drafted)  # [B, V]
+        dists = draft_level(z, inputs, pk, self.top_k)
+        tokens, conf = sample_level(dists, pk[u])
         return tokens, torch.cat([tokens[:, None].double(), conf[:, None].double(), dists.entropy[:, None].double(),
                                   dists.ids.double(), dists.q_sample.double(), dists.q_signal.double()], 1)
 
@@ -352,37 +364,41 @@ class TargetWorker(_Worker):
     def _judge(self, tasks: list[VerifyTask], logits: torch.Tensor) -> list[Verdict]:
         """The verdicts of the judged rows, whose positions' logits are packed in `logits` [N, V] (row i's k_i + 1
         in order). The whole step goes at once, packed (a ragged batch costs what its positions do): the positions
-        processed for their requests (Processors.process), the sampled rows' distributions (sampling.batch_probs),
-        one rejection sampler (verify.verify_batch) and the KLD signal at every drafted position, on the logits'
-        device, read back together in one copy."""
+        processed for their requests (Processors.plan, then apply), the sampled rows' distributions
+        (sampling.batch_probs), one rejection sampler (verify.verify_batch) and the KLD signal at every drafted
+        position, on the logits' device. What they take from the host (the drafts and their distributions, the
+        uniforms, the sampling parameters, the processors' updates) goes in one packet, and what they give back comes
+        back in one copy."""
         if not tasks:
             return []
-        dev = logits.device
         slots = [self.slots[t.slot] for t in tasks]
         drafts = [t.proposal.tokens if t.proposal else [] for t in tasks]
         dists = [t.proposal.dists if t.proposal else [] for t in tasks]
         lens = [len(d) + 1 for d in drafts]
         offsets = [0, *itertools.accumulate(lens)][:-1]
         raws = list(torch.split(logits, lens))  # [k_i + 1, V] each
-        z = self.processors.process(logits, [Span(t.slot, n, s.committed, d)
-                                             for t, s, n, d in zip(tasks, slots, lens, drafts, strict=True)])  # [N, V]
+        pk = Packet()
+        plan = self.processors.plan([Span(t.slot, n, s.committed, d)
+                                     for t, s, n, d in zip(tasks, slots, lens, drafts, strict=True)], pk)
         greedy = [s.params.greedy for s in slots]
         sampled = [r for r, g in enumerate(greedy) if not g]
-        target, u = z, torch.zeros(len(tasks), max(lens))  # u [R, k + 1]: a sampled row's acceptance uniforms, then
-        if sampled:  # its emission one (last column)
-            pos = torch.tensor([offsets[r] + j for r in sampled for j in range(lens[r])], device=dev)  # [S] sampled
-            per_pos = [slots[r].params for r in sampled for _ in range(lens[r])]
-            probs = batch_probs(z[pos], *([getattr(p, f) for p in per_pos]
-                                          for f in ("temperature", "top_k", "top_p", "min_p")))  # [S, V]
-            target = probs if len(sampled) == len(tasks) else z.index_copy(0, pos, probs)
-            for r in sampled:
-                draws = draw_uniforms(slots[r].gen, len(drafts[r]))  # [k_r + 1]
-                u[r, : len(drafts[r])], u[r, -1] = draws[:-1], draws[-1]
+        u = torch.zeros(len(tasks), max(lens))  # [R, k + 1]: a sampled row's acceptance uniforms, then its emission one
+        for r in sampled:  # (last column)
+            draws = draw_uniforms(slots[r].gen, len(drafts[r]))  # [k_r + 1]
+            u[r, : len(drafts[r])], u[r, -1] = draws[:-1], draws[-1]
         stacked = [[torch.stack([getattr(x, f) for x in ds]) if ds else None for ds in dists]
                    for f in ("ids", "q_sample")]
-        tokens, accepted = verify_batch(target, torch.tensor(offsets, device=dev), torch.tensor(greedy, device=dev),
-                                        *(x.to(dev) for x in pack_drafts(drafts, *stacked)), u.to(dev), all(greedy))
-        kld = self._kld(z, slots, drafts, dists, offsets)  # [D]
+        verify_in = [pk.ints(offsets), pk.bools(greedy),
+                     *(pk.floats(x) if x.is_floating_point() else pk.ints(x) for x in pack_drafts(drafts, *stacked)),
+                     pk.floats(u)]
+        probs_in = self._probs_inputs(pk, slots, sampled, lens, offsets, logits.shape[-1])
+        kld_in = self._kld_inputs(pk, slots, drafts, dists, offsets)
+        pk.send(logits.device)  # the step's one upload
+        z = logits if plan is None else self.processors.apply(logits, plan, pk)  # [N, V]
+        target = z if probs_in is None else self._target_probs(z, pk, *probs_in, all_sampled=not any(greedy))
+        offs, grd, *packed_drafts, uni = (pk[x] for x in verify_in)
+        tokens, accepted = verify_batch(target, offs, grd, *packed_drafts, uni, all(greedy))
+        kld = self._kld(z, pk, kld_in)  # [D]
         R, width = len(tasks), tokens.shape[1]  # width: k + 1
         host = torch.cat([tokens.flatten().double(), accepted.double(), kld.double()]).tolist()  # the step's one read
         kld_at = list(itertools.accumulate((len(d) for d in drafts), initial=R * (width + 1)))  # [R + 1]
@@ -395,18 +411,43 @@ class TargetWorker(_Worker):
         return verdicts
 
     @staticmethod
-    def _kld(z: torch.Tensor, slots: list[_Slot], drafts: list[list[int]], dists: list[list[DraftDist]],
-             offsets: list[int]) -> torch.Tensor:
-        """The signal: KL(p || q) at every drafted position (also after the first rejection), at each request's signal
-        temperature, over the packed drafted positions, [D] on z's device; p at the K draft ids is
-        exp(z_ids - logsumexp(z)): no full-vocabulary softmax."""
-        dev = z.device
+    def _probs_inputs(pk: Packet, slots: list[_Slot], sampled: list[int], lens: list[int], offsets: list[int],
+                      v: int) -> tuple[Part, list[Part], bool] | None:
+        """The sampled rows' positions and their sampling parameters, into the packet (None: no row samples) ->
+        (positions [S], [temperature, top_k, top_p, min_p] [S] each, whether any position filters)."""
+        if not sampled:
+            return None
+        pos = pk.ints([offsets[r] + j for r in sampled for j in range(lens[r])])
+        return pos, *filter_inputs([slots[r].params for r in sampled for _ in range(lens[r])], v, pk)
+
+    @staticmethod
+    def _target_probs(z: torch.Tensor, pk: Packet, pos: Part, params: list[Part], filtered: bool,
+                      all_sampled: bool) -> torch.Tensor:
+        """z [N, V] with the sampled rows' positions replaced by their sampling distributions p (batch_probs)."""
+        at = pk[pos]  # [S]
+        probs = batch_probs(z[at], *(pk[x] for x in params), filtered=filtered)  # [S, V]
+        return probs if all_sampled else z.index_copy(0, at, probs)
+
+    @staticmethod
+    def _kld_inputs(pk: Packet, slots: list[_Slot], drafts: list[list[int]], dists: list[list[DraftDist]],
+                    offsets: list[int]) -> tuple[Part, ...] | None:
+        """The drafted positions [D], their signal temperatures [D], draft ids and q_signal [D, K], into the packet
+        (None: nothing drafted)."""
         pos = [offsets[r] + j for r, d in enumerate(drafts) for j in range(len(d))]
         if not pos:
-            return torch.zeros(0, device=dev)
-        t_sig = torch.tensor([signal_temperature(s.params) for s, d in zip(slots, drafts, strict=True) for _ in d],
-                             device=dev)
-        zs = z[torch.tensor(pos, device=dev)] / t_sig[:, None]  # [D, V]
-        ids = torch.stack([x.ids for ds in dists for x in ds]).to(dev)  # [D, K]
+            return None
+        t_sig = [signal_temperature(s.params) for s, d in zip(slots, drafts, strict=True) for _ in d]
+        return (pk.ints(pos), pk.floats(t_sig), pk.ints(torch.stack([x.ids for ds in dists for x in ds])),
+                pk.floats(torch.stack([x.q_signal for ds in dists for x in ds])))
+
+    @staticmethod
+    def _kld(z: torch.Tensor, pk: Packet, parts: tuple[Part, ...] | None) -> torch.Tensor:
+        """The signal: KL(p || q) at every drafted position (also after the first rejection), at each request's signal
+        temperature, over the packed drafted positions (_kld_inputs), [D] on z's device; p at the K draft ids is
+        exp(z_ids - logsumexp(z)): no full-vocabulary softmax."""
+        if parts is None:
+            return torch.zeros(0, device=z.device)
+        pos, t_sig, ids, q_signal = (pk[x] for x in parts)  # [D], [D], [D, K], [D, K]
+        zs = z[pos] / t_sig[:, None]  # [D, V]
         p_ids = (zs.gather(-1, ids) - torch.logsumexp(zs, dim=-1, keepdim=True)).exp()  # [D, K]
-        return sparse_kld_at(p_ids, torch.stack([x.q_signal for ds in dists for x in ds]).to(dev))  # [D]
+        return sparse_kld_at(p_ids, q_signal)  # [D]

@@ -1,7 +1,9 @@
-"""Host reads of a whole engine step on the static runners (dsde_core/syncs.py counts them on any device): one read of
-the draft's tokens and distributions for all its levels where k is fixed at plan time (penalties included: they count
-the drafts on the device; one a level where a row's stop reads its confidences), one of the step's verdicts, nothing
-else; a change that brings a per-row or per-level read or a data-dependent op back into the step fails here."""
+"""Host reads and uploads of a whole engine step on the static runners (dsde_core/syncs.py counts them on any device):
+one read of the draft's tokens and distributions for all its levels where k is fixed at plan time (penalties included:
+they count the drafts on the device; one a level where a row's stop reads its confidences), one of the step's
+verdicts, nothing else; one upload a forward (the runner's packet) and one a sampling pass (each draft level's, the
+verdicts'). A change that brings a per-row or per-level read, a data-dependent op or a stray upload back into the
+step fails here."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from collections import Counter
 import pytest
 import torch
 
+from dsde_core import packet
 from dsde_core.config import EngineConfig, SamplingParams
 from dsde_core.engine import Engine
 from dsde_core.models.runner import ModelRunner
@@ -23,9 +26,9 @@ BIASED = dict(logit_bias={3: 2.0}, min_tokens=50, stop_token_ids=(7,))  # proces
 PENALIZED = dict(presence_penalty=0.5, repetition_penalty=1.2, **BIASED)  # penalties count the drafts
 
 
-def steady_step(policy: str, processed: dict | None = None) -> tuple[Counter[str], Engine]:
-    """The host reads of one step of greedy and sampled rows past their prefills (no prefill or catch-up in it); with
-    `processed`, every row has those processors too."""
+def steady_step(policy: str, processed: dict | None = None) -> tuple[SyncCounter, Engine]:
+    """The host reads and uploads of one step of greedy and sampled rows past their prefills (no prefill or catch-up
+    in it); with `processed`, every row has those processors too."""
     target, draft = tiny_pair()
     config = EngineConfig(max_batch_size=4, max_seq_len=128, dtype="float32", max_sl=4)
     engine = Engine(TargetWorker(StaticRunner(target, 4, 128, 5)),
@@ -41,27 +44,40 @@ def steady_step(policy: str, processed: dict | None = None) -> tuple[Counter[str
         engine.step()
     for r in (engine.target, engine.draft):  # the measured step ran static forwards only
         assert r.runner.calls["eager"] == calls[id(r)]["eager"]
-    return c.syncs, engine
+    return c, engine
 
 
 @pytest.mark.parametrize("processed", [None, BIASED, PENALIZED], ids=["plain", "biased", "penalized"])
 @pytest.mark.parametrize("policy", ["static:1", "static:3", "dsde"])
 def test_a_step_of_fixed_k_reads_the_draft_back_once_and_the_verdicts_once(policy: str, processed: dict) -> None:
-    syncs, engine = steady_step(policy, processed)
+    c, engine = steady_step(policy, processed)
     assert all(k > 0 for k in engine.step_log[-1].ks)  # every row drafted
-    assert syncs == Counter({"cpu": 1, "tolist": 2}), syncs  # the draft's copy and its scalars; the verdicts
+    assert c.syncs == Counter({"cpu": 1, "tolist": 2}), c.syncs  # the draft's copy and its scalars; the verdicts
+
+
+@pytest.mark.parametrize("processed", [None, PENALIZED], ids=["plain", "penalized"])
+@pytest.mark.parametrize("policy", ["off", "static:1", "static:3"])
+def test_a_step_uploads_once_a_forward_and_once_a_sampling_pass(policy: str, processed: dict,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each draft level's and the verdicts' host inputs (uniforms, drafts and their distributions, sampling
+    parameters, the processors' updates) travel in one packet (packed as on a GPU): the step's uploads are its
+    forwards' packets (copy) and one a sampling pass (to)."""
+    monkeypatch.setattr(packet, "PACK_ALWAYS", True)
+    c, engine = steady_step(policy, processed)
+    passes = max(engine.step_log[-1].ks) + 1  # the draft's levels, then the target's verification
+    assert c.uploads == Counter({"copy": passes, "to": passes}), c.uploads
 
 
 def test_a_confidence_stop_costs_one_read_a_draft_level() -> None:
     """AdaEDL's stop reads each level's confidences before the next: one copy a level drafted."""
-    syncs, engine = steady_step("adaedl")
+    c, engine = steady_step("adaedl")
     levels = max(engine.step_log[-1].ks)
-    assert levels > 0 and syncs == Counter({"cpu": levels, "tolist": levels + 1}), (levels, syncs)
+    assert levels > 0 and c.syncs == Counter({"cpu": levels, "tolist": levels + 1}), (levels, c.syncs)
 
 
 def test_a_target_only_step_reads_back_once() -> None:
-    syncs, _ = steady_step("off")
-    assert syncs == Counter({"tolist": 1}), syncs
+    c, _ = steady_step("off")
+    assert c.syncs == Counter({"tolist": 1}), c.syncs
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
@@ -84,7 +100,10 @@ def test_levels_chained_on_the_device_draft_what_a_level_at_a_time_drafts(static
         for w, conf_stop in zip(workers, (None, 0.0), strict=True):
             tasks = [DraftTask(s, committed[s][len(w.slots[s].committed):], k, min_confidence=conf_stop if k else None)
                      for s, k in enumerate(ks)]
-            got.append(w.propose(tasks))
+            with SyncCounter() as c:
+                got.append(w.propose(tasks))
+            if static and step and conf_stop is None:  # (step 0 prefills) a row that stops drafting leaves a prefix
+                assert c.uploads == Counter({"copy": max(ks)}), (step, c.uploads)  # (the CPU: unpacked)
         chained, stepped = got
         for a, b in zip(chained, stepped, strict=True):
             assert a.tokens == b.tokens and a.conf == b.conf, (step, a.slot)
