@@ -192,11 +192,8 @@ class DraftWorker(_Worker):
         # sequences with k = 0 only catch up: feed all but the last committed token, which the next step feeds
         catch_up = [t for t in tasks if t.k == 0 and len(feeds[t.slot]) > 1]
         live = [t for t in tasks if t.k > 0]
-        fixed = not any(self._reads_drafts(t, stop) for t in live)
-        if fixed:
-            live.sort(key=lambda t: -t.k)  # in descending k: the rows still drafting at a level are a prefix
         batch = [(t.slot, feeds[t.slot]) for t in live] + [(t.slot, feeds[t.slot][:-1][: t.limit]) for t in catch_up]
-        if fixed:
+        if not any(self._reads_drafts(t, stop) for t in live):
             self._draft_fixed(live, batch, out)
             return [out[t.slot] for t in tasks]
         drafted = level = 0
@@ -205,7 +202,7 @@ class DraftWorker(_Worker):
             next_batch = []
             prior = torch.tensor([out[t.slot].tokens for t in live], device=logits.device) \
                 if level and self._penalized(live) else None  # [B, level] the drafts so far, for the penalties
-            _, host = self._level(live, logits[: len(live)], prior, level)
+            _, host, _ = self._level(live, logits[: len(live)], prior, level)
             for t, (x, conf, dist) in zip(live, self._unpack(host.cpu()), strict=True):  # one read a level
                 prop = out[t.slot]
                 prop.add(x, conf, dist)
@@ -227,10 +224,10 @@ class DraftWorker(_Worker):
 
     def _draft_fixed(self, live: list[DraftTask], batch: list[tuple[int, list[int]]],
                      out: dict[int, Proposal]) -> None:
-        """Every row of `live` (in descending k) drafts its k tokens: level l + 1 is fed level l's draws on the device
-        (Runner's ids), for the rows still drafting, a prefix of the level's (so a slice: no index is uploaded), and
-        every level's tokens and distributions come back in one copy after the last (the catch-up rows of `batch`,
-        after live's, are fed at level 0 only)."""
+        """Every row of `live` drafts its k tokens: level l + 1 is fed level l's draws on the device (Runner's ids)
+        for the rows still drafting (their index travels in level l's packet), and every level's tokens and
+        distributions come back in one copy after the last (the catch-up rows of `batch`, after live's, are fed at
+        level 0 only)."""
         if not batch:
             return
         logits = self._forward(batch)  # [B, V] on the device: level 0, live's rows and the catch-up rows
@@ -238,17 +235,18 @@ class DraftWorker(_Worker):
         counted = self._penalized(live)
         drafting, packed = [], []  # per level: its rows, and their [B_l, 3 + 3K] (_level)
         while rows:
-            tokens, host = self._level(rows, logits[: len(rows)], drafted, level)
+            keep = [i for i, t in enumerate(rows) if t.k > level + 1]  # the rows that draft the next level
+            tokens, host, pick = self._level(rows, logits[: len(rows)], drafted, level, keep)
             drafting.append(rows)
             packed.append(host)
             level += 1
-            keep = sum(t.k > level for t in rows)  # the rows still drafting: a prefix, rows being in descending k
             if not keep:
                 break
+            ids = tokens if pick is None else tokens[pick]
             if counted:
                 drafted = tokens[:, None] if drafted is None else torch.cat([drafted, tokens[:, None]], 1)
-                drafted = drafted[:keep]
-            ids, rows = tokens[:keep], rows[:keep]
+                drafted = drafted if pick is None else drafted[pick]
+            rows = [rows[i] for i in keep]
             logits = self._forward([(t.slot, []) for t in rows], ids)  # the tokens from ids
         if not packed:
             return
@@ -277,14 +275,15 @@ class DraftWorker(_Worker):
         """Whether a row's penalties count its drafts (the processors are then given them)."""
         return any(self.slots[t.slot].params.penalized for t in rows)
 
-    def _level(self, live: list[DraftTask], logits: torch.Tensor, drafted: torch.Tensor | None,
-               level: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _level(self, live: list[DraftTask], logits: torch.Tensor, drafted: torch.Tensor | None, level: int,
+               keep: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """One level's draft tokens for the drafting rows, whose logits are `logits` [B, V] and who have drafted
         `level` tokens each (`drafted` [B, level]: those tokens, on the device, where a row's penalties count them):
-        the rows processed for their requests at once (Processors.process), the level's distributions and draws
-        batched on the device (sampling.draft_dists, sample_level, the uniforms from each request's generator) ->
-        (tokens [B], the rows packed for one copy [B, 3 + 3K]: token, confidence, entropy, ids, q_sample, q_signal),
-        on the device."""
+        the rows processed for their requests at once (Processors.plan, then apply), the level's distributions and
+        draws batched on the device (sampling.draft_inputs, draft_level, sample_level, the uniforms from each
+        request's generator), all from one packet -> (tokens [B], the rows packed for one copy [B, 3 + 3K]: token,
+        confidence, entropy, ids, q_sample, q_signal, on the device; `keep`, the rows of the next level, as an index
+        on the device from the same packet: None where it is every row or not asked for)."""
         slots = [self.slots[t.slot] for t in live]
         pk = Packet()
         plan = self.processors.plan([Span(t.slot, 1, s.committed, (), level) for t, s in zip(live, slots, strict=True)],
@@ -292,12 +291,14 @@ class DraftWorker(_Worker):
         inputs = draft_inputs([s.params for s in slots], [t.min_confidence is not None for t in live],
                               min(self.top_k, logits.shape[-1]), pk)
         u = pk.floats(draft_uniforms([None if s.params.greedy else s.gen for s in slots]))  # [B]
+        pick = pk.ints(keep) if keep and len(keep) < len(live) else None  # [B']
         pk.send(logits.device)  # the level's one upload
         z = logits if plan is None else self.processors.apply(logits, plan, pk, drafted)  # [B, V]
         dists = draft_level(z, inputs, pk, self.top_k)
         tokens, conf = sample_level(dists, pk[u])
-        return tokens, torch.cat([tokens[:, None].double(), conf[:, None].double(), dists.entropy[:, None].double(),
-                                  dists.ids.double(), dists.q_sample.double(), dists.q_signal.double()], 1)
+        host = torch.cat([tokens[:, None].double(), conf[:, None].double(), dists.entropy[:, None].double(),
+                          dists.ids.double(), dists.q_sample.double(), dists.q_signal.double()], 1)
+        return tokens, host, None if pick is None else pk[pick]
 
     @staticmethod
     def _unpack(host: torch.Tensor) -> list[tuple[int, float, DraftDist]]:

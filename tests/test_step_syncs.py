@@ -102,7 +102,7 @@ def test_levels_chained_on_the_device_draft_what_a_level_at_a_time_drafts(static
                      for s, k in enumerate(ks)]
             with SyncCounter() as c:
                 got.append(w.propose(tasks))
-            if static and step and conf_stop is None:  # (step 0 prefills) a row that stops drafting leaves a prefix
+            if static and step and conf_stop is None:  # (step 0 prefills) a row that stops: no index uploaded
                 assert c.uploads == Counter({"copy": max(ks)}), (step, c.uploads)  # (the CPU: unpacked)
         chained, stepped = got
         for a, b in zip(chained, stepped, strict=True):
