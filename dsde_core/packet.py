@@ -62,12 +62,8 @@ class Packet:
                  for p in self._parts]
         host = torch.cat(words) if words else torch.zeros(0, dtype=torch.int32)  # [size]
         sent = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
-        self._sent, start = [], 0
-        for p, w in zip(self._parts, words, strict=True):
-            view = sent[start : start + len(w)]
-            start += len(w)
-            self._sent.append(view.view(torch.float32).view(p.shape) if p.is_floating_point()
-                              else view.view(p.shape).to(p.dtype))
+        self._sent = [w.view(torch.float32).view(p.shape) if p.is_floating_point() else w.view(p.shape).to(p.dtype)
+                      for p, w in zip(self._parts, sent.split([len(w) for w in words]), strict=True)]
 
     def __getitem__(self, part: Part) -> torch.Tensor:
         if self._sent is None:

@@ -8,14 +8,10 @@ import pytest
 import torch
 
 from dsde_core import packet
-from dsde_core.config import EngineConfig, SamplingParams
-from dsde_core.engine import Engine
-from dsde_core.models.static_step import StaticRunner
+from dsde_core.config import SamplingParams
 from dsde_core.packet import Packet
-from dsde_core.policies import make_policy
 from dsde_core.syncs import SyncCounter
-from dsde_core.workers import DraftWorker, TargetWorker
-from tests.tiny import VOCAB, IdTokenizer, random_prompts, tiny_pair
+from tests.tiny import random_prompts, static_engine
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
@@ -46,6 +42,7 @@ def test_a_part_is_added_before_the_send_and_read_after_it() -> None:
     with pytest.raises(RuntimeError, match="no parts once sent"):
         pk.ints([2])
 
+
 def test_a_pass_with_nothing_to_send_sends_an_empty_packet(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(packet, "PACK_ALWAYS", True)
     Packet().send("cpu")
@@ -53,11 +50,7 @@ def test_a_pass_with_nothing_to_send_sends_an_empty_packet(monkeypatch: pytest.M
 
 def _generate(policy: str) -> list[list[int]]:
     """Greedy, sampled and penalised requests of ragged speculation on the static runners -> their tokens."""
-    target, draft = tiny_pair()
-    config = EngineConfig(max_batch_size=4, max_seq_len=128, dtype="float32", max_sl=4)
-    engine = Engine(TargetWorker(StaticRunner(target, 4, 128, 5)),
-                    DraftWorker.from_config(StaticRunner(draft, 4, 128, 5), config), make_policy(policy),
-                    IdTokenizer(), config, vocab_size=VOCAB)
+    engine = static_engine(policy)
     reqs = [engine.add_request(p, SamplingParams(
         max_tokens=24, temperature=0.0 if i % 2 == 0 else 0.9, seed=i, top_p=0.9 if i == 1 else 1.0,
         top_k=5 if i == 3 else 0, **(dict(presence_penalty=0.5, repetition_penalty=1.2, logit_bias={3: 2.0},

@@ -13,14 +13,13 @@ import pytest
 import torch
 
 from dsde_core import packet
-from dsde_core.config import EngineConfig, SamplingParams
+from dsde_core.config import SamplingParams
 from dsde_core.engine import Engine
 from dsde_core.models.runner import ModelRunner
 from dsde_core.models.static_step import StaticRunner
-from dsde_core.policies import make_policy
 from dsde_core.syncs import SyncCounter
-from dsde_core.workers import DraftTask, DraftWorker, TargetWorker
-from tests.tiny import VOCAB, IdTokenizer, random_prompts, tiny_pair
+from dsde_core.workers import DraftTask, DraftWorker
+from tests.tiny import random_prompts, static_engine, tiny_pair
 
 BIASED = dict(logit_bias={3: 2.0}, min_tokens=50, stop_token_ids=(7,))  # processors that read no draft
 PENALIZED = dict(presence_penalty=0.5, repetition_penalty=1.2, **BIASED)  # penalties count the drafts
@@ -29,11 +28,7 @@ PENALIZED = dict(presence_penalty=0.5, repetition_penalty=1.2, **BIASED)  # pena
 def steady_step(policy: str, processed: dict | None = None) -> tuple[SyncCounter, Engine]:
     """The host reads and uploads of one step of greedy and sampled rows past their prefills (no prefill or catch-up
     in it); with `processed`, every row has those processors too."""
-    target, draft = tiny_pair()
-    config = EngineConfig(max_batch_size=4, max_seq_len=128, dtype="float32", max_sl=4)
-    engine = Engine(TargetWorker(StaticRunner(target, 4, 128, 5)),
-                    DraftWorker.from_config(StaticRunner(draft, 4, 128, 5), config), make_policy(policy),
-                    IdTokenizer(), config, vocab_size=VOCAB)
+    engine = static_engine(policy)
     for i, p in enumerate(random_prompts(3, seed=2, min_len=8, max_len=12)):
         engine.add_request(p, SamplingParams(max_tokens=60, temperature=0.0 if i % 2 == 0 else 1.0, seed=i,
                                              top_p=0.9 if i == 1 else 1.0, **(processed or {})))

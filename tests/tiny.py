@@ -17,6 +17,7 @@ from dsde_core.config import EngineConfig
 from dsde_core.engine import Engine
 from dsde_core.models.llama import LlamaModel
 from dsde_core.models.runner import ModelRunner, Runner
+from dsde_core.models.static_step import StaticRunner
 from dsde_core.policies import SpeculationPolicy, make_policy
 from dsde_core.workers import DraftWorker, TargetWorker
 
@@ -91,6 +92,15 @@ def tiny_engine(policy: str | SpeculationPolicy = "dsde", batch: int = 4, max_se
     draft_worker = DraftWorker.from_config(draft, config) if with_draft else None
     pol = make_policy(policy) if isinstance(policy, str) else policy
     return Engine(TargetWorker(target), draft_worker, pol, IdTokenizer(), config, eos_ids=eos, vocab_size=VOCAB)
+
+
+def static_engine(policy: str, batch: int = 4, max_seq_len: int = 128, max_sl: int = 4) -> Engine:
+    """An engine of the tiny pair (fp32, on the CPU) whose workers run the static step (StaticRunner)."""
+    target, draft = tiny_pair()
+    config = EngineConfig(max_batch_size=batch, max_seq_len=max_seq_len, dtype="float32", max_sl=max_sl)
+    return Engine(TargetWorker(StaticRunner(target, batch, max_seq_len, max_sl + 1)),
+                  DraftWorker.from_config(StaticRunner(draft, batch, max_seq_len, max_sl + 1), config),
+                  make_policy(policy), IdTokenizer(), config, vocab_size=VOCAB)
 
 
 def random_prompts(n: int, seed: int = 0, min_len: int = 2, max_len: int = 40) -> list[list[int]]:
